@@ -1,0 +1,359 @@
+"""Client side of the env protocol: action parsing, one `EnvClient` per instance, and `EnvPool` for many.
+
+Drives this project's servers and AgentGym's own (FastAPI) servers alike:
+- instance ids travel as `id` or, for AgentGym's SearchQA/WebArena servers, as `env_idx`; `/create` may
+  answer `{"id"}`, `{"env_idx"}` or a bare integer; the dialect is read off that first answer;
+- the value of a step is `score` where the server sends one (BabyAI, SciWorld), else `reward`;
+- `done` may come as `terminated`/`truncated` (WebArena);
+- AgentGym servers report errors as HTTP 200 with `{"error": ...}`; they become `EnvError` here too.
+
+Every failure (timeout, refused connection, HTTP error, error body, malformed answer) raises or returns
+an `EnvError`, never a reward of 0: the rollout counts such trajectories and drops them from the loss.
+Retries happen only where repeating the call cannot change the game (create, reset, reads, close);
+`step` is sent exactly once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+# ---------------------------------------------------------------- action parsing, one place per env
+ONE_ACTION_ERROR = "Error: Only one 'Action' is allowed per response. Please adjust your response."
+_ACTION_RE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
+_NOT_ACTION_CHARS = re.compile(r"[^A-Za-z0-9, ]+")
+_SEARCH_TAG_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+@dataclass
+class ParsedAction:
+    action: str | None  # what to send to the env; None: do not step, reply with `error` instead
+    error: str | None = None  # the observation the agent gets instead of stepping the env
+
+
+def parse_thought_action(reply: str) -> ParsedAction:
+    """TextCraft and BabyAI ("Thought: ... Action: ..."): the line after `Action:`; more than one
+    `Action:` is refused with an error observation (reward 0, episode goes on); characters outside
+    [A-Za-z0-9, ] are removed and whitespace collapsed. No `Action:` at all sends an empty action."""
+    found = _ACTION_RE.findall(reply)
+    if len(found) > 1:
+        return ParsedAction(None, ONE_ACTION_ERROR)
+    action = found[0] if found else ""
+    return ParsedAction(" ".join(_NOT_ACTION_CHARS.sub("", action).split()))
+
+
+def parse_last_action(reply: str) -> ParsedAction:
+    """SciWorld: the text after the last `Action:` (the whole reply when there is none)."""
+    return ParsedAction(reply.rsplit("Action:", 1)[-1].strip())
+
+
+def parse_search_answer(reply: str) -> ParsedAction:
+    """Deep Search: the first `<search>..</search>` or `<answer>..</answer>` block, sent as written."""
+    m = _SEARCH_TAG_RE.search(reply)
+    return ParsedAction(m.group(0) if m else "")
+
+
+def parse_raw(reply: str) -> ParsedAction:
+    """WebArena: the server parses the action block itself, so the whole reply goes."""
+    return ParsedAction(reply)
+
+
+ACTION_PARSERS = {
+    "textcraft": parse_thought_action,
+    "babyai": parse_thought_action,
+    "sciworld": parse_last_action,
+    "searchqa": parse_search_answer,
+    "webarena": parse_raw,
+}
+
+
+def parse_action(env: str, reply: str) -> ParsedAction:
+    if env not in ACTION_PARSERS:
+        raise ValueError(f"no action parser for env {env!r}; known: {sorted(ACTION_PARSERS)}")
+    return ACTION_PARSERS[env](reply)
+
+
+# ---------------------------------------------------------------- errors and results
+class EnvError(RuntimeError):
+    """An infrastructure or protocol failure talking to an env server (not a game outcome).
+
+    kind: "timeout" | "connection" | "http" (a 4xx/5xx) | "env" (an error body) | "protocol" (bad answer)
+    """
+
+    def __init__(self, kind: str, message: str, status: int | None = None):
+        super().__init__(f"[{kind}{'' if status is None else f' {status}'}] {message}")
+        self.kind, self.status, self.message = kind, status, message
+
+
+@dataclass
+class Step:
+    observation: str
+    reward: float  # the value to train on: `score` where the server has one, else `reward`
+    done: bool
+    raw: dict = field(default_factory=dict)  # the server's whole answer (info, step reward, ...)
+
+
+# ---------------------------------------------------------------- HTTP with keep-alive
+class Transport:
+    """JSON over HTTP/1.1 keep-alive to one server: one connection per thread, reopened when stale."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 2, max_idle_s: float = 60.0):
+        u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
+        self.base_url = f"{u.scheme}://{u.netloc}"
+        self.host, self.port, self.https = u.hostname, u.port, u.scheme == "https"
+        self.prefix = u.path.rstrip("/")
+        self.timeout, self.retries = timeout, retries
+        # Reopen connections idle for longer than this, well before the server's own idle timeout
+        # closes them, so that a `step` never goes out on a connection the server already dropped.
+        self.max_idle_s = max_idle_s
+        self._local = threading.local()
+
+    def _conn(self) -> http.client.HTTPConnection:
+        c = getattr(self._local, "conn", None)
+        if c is not None and time.monotonic() - self._local.used > self.max_idle_s:
+            c.close()
+            c = None
+        if c is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            c = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
+        return c
+
+    def _drop(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+        self._local.conn = None
+
+    def request(self, method: str, path: str, payload=None, retry: bool = False):
+        """Send one request; return the decoded JSON answer or raise EnvError."""
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                conn = self._conn()
+                conn.request(method, self.prefix + path, body, headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self._local.used = time.monotonic()
+                if resp.getheader("Connection", "").lower() == "close":
+                    self._drop()
+                status = resp.status
+            except (socket.timeout, TimeoutError) as e:
+                self._drop()
+                err = EnvError("timeout", f"{method} {path}: no answer within {self.timeout:g} s ({e})")
+            except (OSError, http.client.HTTPException) as e:
+                self._drop()
+                err = EnvError("connection", f"{method} {path} to {self.base_url}: {type(e).__name__}: {e}")
+            else:
+                return _decode(method, path, status, data)
+            if attempt + 1 < attempts:
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        raise err
+
+
+def _decode(method: str, path: str, status: int, data: bytes):
+    try:
+        out = json.loads(data) if data else None
+    except ValueError:
+        raise EnvError("protocol" if status == 200 else "http",
+                       f"{method} {path}: answer is not JSON: {data[:200]!r}", status) from None
+    if status != 200:
+        msg = out.get("error") if isinstance(out, dict) else None
+        raise EnvError("http", f"{method} {path}: {msg if msg else repr(data[:200])}", status)
+    if isinstance(out, dict) and "error" in out and out["error"] is not None:
+        raise EnvError("env", f"{method} {path}: {out['error']}")  # AgentGym's HTTP-200 error
+    return out
+
+
+def _step_from(raw) -> Step:
+    if not isinstance(raw, dict) or "observation" not in raw:
+        raise EnvError("protocol", f"step answer without an observation: {str(raw)[:200]}")
+    if "done" in raw:
+        done = bool(raw["done"])
+    else:
+        done = bool(raw.get("terminated", False) or raw.get("truncated", False))
+    value = raw.get("score", raw.get("reward", 0.0))
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise EnvError("protocol", f"step answer with a non-numeric reward: {value!r}")
+    return Step(str(raw["observation"]), float(value), done, raw)
+
+
+def _obs_from(raw) -> str:
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, dict) and "observation" in raw:
+        return str(raw["observation"])
+    return json.dumps(raw)
+
+
+# ---------------------------------------------------------------- one instance
+class EnvClient:
+    """One env instance on a server: `reset(item_id)`, `observation()`, `available_actions()`,
+    `step(action)`, `close()`. Created on the server at construction."""
+
+    def __init__(self, base_url: str | Transport, timeout: float = 60.0, retries: int = 2):
+        self.http = base_url if isinstance(base_url, Transport) else Transport(base_url, timeout, retries)
+        created = self.http.request("POST", "/create", {}, retry=True)
+        self.id_key, self.id = _read_id(created)
+        self.closed = False
+
+    def _with_id(self, payload: dict) -> dict:
+        return {self.id_key: self.id, **payload}
+
+    def reset(self, item_id: int) -> str:
+        body = {"data_idx": item_id}
+        if self.id_key == "env_idx":  # AgentGym's WebArena server reads `idx` and `seed`
+            body.update(idx=item_id, seed=0)
+        raw = self.http.request("POST", "/reset", self._with_id(body), retry=True)
+        if isinstance(raw, dict) and "observation" in raw:
+            return str(raw["observation"])
+        return self.observation()
+
+    def step(self, action: str) -> Step:
+        return _step_from(self.http.request("POST", "/step", self._with_id({"action": action})))
+
+    def observation(self) -> str:
+        return _obs_from(self.http.request("GET", f"/observation?{self.id_key}={self.id}", retry=True))
+
+    def available_actions(self) -> list[str]:
+        raw = self.http.request("GET", f"/available_actions?{self.id_key}={self.id}", retry=True)
+        return list(raw) if isinstance(raw, list) else raw
+
+    def detail(self) -> dict:
+        return self.http.request("GET", f"/detail?{self.id_key}={self.id}", retry=True)
+
+    def expert_action(self) -> str | None:
+        """The env's expert's next action (this project's servers only)."""
+        return self.http.request("GET", f"/expert_action?{self.id_key}={self.id}", retry=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.http.request("POST", "/close", self._with_id({}), retry=False)
+
+
+def _read_id(created) -> tuple[str, int]:
+    if isinstance(created, int) and not isinstance(created, bool):
+        return "env_idx", created  # AgentGym SearchQA answers a bare id
+    if isinstance(created, dict):
+        for key in ("id", "env_idx"):
+            if isinstance(created.get(key), int):
+                return key, created[key]
+    raise EnvError("protocol", f"/create answered without an instance id: {str(created)[:200]}")
+
+
+# ---------------------------------------------------------------- many instances
+class EnvPool:
+    """`size` instances on one server, reset and stepped together.
+
+    Uses the server's `/batch` endpoint when it has one (this project's servers), else one request per
+    instance from `workers` threads, each on its own keep-alive connection. Per-instance failures come
+    back as `EnvError` values in the result list; they never raise and never stop the other instances.
+    """
+
+    def __init__(self, base_url: str, size: int, timeout: float = 60.0, retries: int = 2,
+                 workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64):
+        self.http = Transport(base_url, timeout, retries)
+        self.size = size
+        self.executor = ThreadPoolExecutor(max(1, min(workers, size)), thread_name_prefix="env-pool")
+        self.batch_chunk = batch_chunk
+        if use_batch is None:
+            health = self._health()
+            use_batch = isinstance(health, dict) and bool(health.get("batch"))
+        self.use_batch = use_batch
+        self.clients: list[EnvClient | None] = [None] * size
+        made = self._map(lambda i: EnvClient(self.http), range(size))
+        errors = [m for m in made if isinstance(m, EnvError)]
+        self.clients = [m if isinstance(m, EnvClient) else None for m in made]
+        if errors:
+            self.close()
+            raise EnvError(errors[0].kind, f"could not create {len(errors)}/{size} instances: {errors[0].message}",
+                           errors[0].status)
+
+    def _health(self):
+        try:
+            return self.http.request("GET", "/", retry=True)
+        except EnvError:
+            return None  # AgentGym's health answers plain text; fall back to single requests
+
+    def _map(self, fn, items) -> list:
+        def guarded(x):
+            try:
+                return fn(x)
+            except EnvError as e:
+                return e
+        return list(self.executor.map(guarded, items))
+
+    def _batch(self, ops: list[dict]) -> list:
+        """Send ops in chunks, in parallel; each op's answer, or its EnvError."""
+        chunks = [ops[i:i + self.batch_chunk] for i in range(0, len(ops), self.batch_chunk)]
+        retry = all(op["op"] != "step" for op in ops)
+
+        def send(chunk):
+            try:
+                res = self.http.request("POST", "/batch", {"ops": chunk}, retry=retry)["results"]
+                if len(res) != len(chunk):
+                    raise EnvError("protocol", f"/batch answered {len(res)} results for {len(chunk)} ops")
+            except EnvError as e:
+                return [e] * len(chunk)
+            except (KeyError, TypeError):
+                return [EnvError("protocol", "/batch answer without a results list")] * len(chunk)
+            return [EnvError("http", r["error"], r.get("status")) if isinstance(r, dict) and "error" in r
+                    else r for r in res]
+
+        return [r for part in self.executor.map(send, chunks) for r in part]
+
+    def reset(self, item_ids: list[int | None]) -> list[str | EnvError | None]:
+        """Reset instance i to task item_ids[i] (None: leave it alone). Returns first observations."""
+        assert len(item_ids) == self.size, f"need {self.size} item ids, got {len(item_ids)}"
+        todo = [i for i, t in enumerate(item_ids) if t is not None]
+        out: list = [None] * self.size
+        if self.use_batch:
+            res = self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]} for i in todo])
+            for i, r in zip(todo, res):
+                out[i] = r if isinstance(r, EnvError) else _obs_from(r)
+        else:
+            for i, r in zip(todo, self._map(lambda i: self.clients[i].reset(item_ids[i]), todo)):
+                out[i] = r
+        return out
+
+    def step(self, actions: list[str | None]) -> list[Step | EnvError | None]:
+        """Step instance i with actions[i] (None: skip it, e.g. a finished trajectory)."""
+        assert len(actions) == self.size, f"need {self.size} actions, got {len(actions)}"
+        todo = [i for i, a in enumerate(actions) if a is not None]
+        out: list = [None] * self.size
+        if self.use_batch:
+            res = self._batch([{"op": "step", "id": self.clients[i].id, "action": actions[i]} for i in todo])
+            for i, r in zip(todo, res):
+                if not isinstance(r, EnvError):
+                    try:
+                        r = _step_from(r)
+                    except EnvError as e:
+                        r = e
+                out[i] = r
+        else:
+            for i, r in zip(todo, self._map(lambda i: self.clients[i].step(actions[i]), todo)):
+                out[i] = r
+        return out
+
+    def close(self) -> None:
+        live = [c for c in self.clients if c is not None and not c.closed]
+        self._map(lambda c: c.close(), live)
+        self.clients = [None] * self.size
+        self.executor.shutdown(wait=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,56 @@
+"""`python -m env_server NAME --port P`: serve one environment over HTTP (waitress, threaded)."""
+
+import argparse
+import logging
+import signal
+import sys
+
+from . import ENVS, get_env_class
+from .app import create_app, make_server
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m env_server", description=__doc__)
+    p.add_argument("name", choices=sorted(ENVS), help="which environment to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=36001, help="port (0 picks a free one and prints it)")
+    p.add_argument("--threads", type=int, default=16, help="worker threads serving requests")
+    p.add_argument("--max-instances", type=int, default=1024, help="cap on live instances (503 past it)")
+    p.add_argument("--idle-timeout", type=float, default=900.0,
+                   help="close instances idle for this many seconds (0: never)")
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (413 past it)")
+    name = p.parse_known_args(argv)[0].name if argv and not argv[0].startswith("-") else None
+    env_cls = get_env_class(name) if name in ENVS else None
+    if env_cls is not None:
+        env_cls.add_args(p.add_argument_group(f"{name} options"))
+    args = p.parse_args(argv)
+    for flag in ("threads", "max_instances", "max_body_kb"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        world = env_cls.load_world(args)
+    except (OSError, ValueError) as e:
+        p.error(f"cannot load {name}: {e}")
+    app = create_app(env_cls, world, max_instances=args.max_instances, idle_timeout_s=args.idle_timeout,
+                     max_body_bytes=args.max_body_kb * 1024)
+    server = make_server(app, args.host, args.port, threads=args.threads)
+    # This exact line is how launchers learn the port when --port 0 was asked for.
+    print(f"serving {name} on http://{args.host}:{server.effective_port}", flush=True)
+    # SIGTERM (what launchers send) unwinds like Ctrl-C, so instances (JVMs, browsers) get closed.
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.extensions["registry"].stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The contract between the generic server (app.py) and one environment module.
+
+An environment module defines a subclass of `Env`. The server holds one shared `world` per process
+(loaded once by `Env.load_world`, read-only afterwards: recipe books, task lists) and creates one `Env`
+per `/create`. The server serialises calls to one instance with a lock, so an `Env` needs no locking of
+its own; it must never keep mutable state on the world.
+
+Errors: raise `TaskError` for a caller's mistake (bad task id, action on a finished episode); anything
+else that escapes is treated as a server bug (HTTP 500, logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+
+class TaskError(ValueError):
+    """A caller's mistake inside an environment (HTTP 4xx); `status` picks the code."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float  # the reward of this step
+    done: bool
+    score: float | None = None  # the episode's score so far, where the game has one (BabyAI, SciWorld)
+    info: dict = field(default_factory=dict)
+
+
+class Env:
+    name = "base"
+
+    # ---- world: shared, read-only, loaded once per server process ----
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        """Add this environment's own command-line flags to `python -m env_server NAME`."""
+
+    @classmethod
+    def load_world(cls, args: argparse.Namespace | None = None):
+        """Build the shared read-only data. `args` holds the flags of `add_args` (None: defaults)."""
+        return None
+
+    @classmethod
+    def num_tasks(cls, world) -> int:
+        """Task ids are 0 .. num_tasks-1; every process maps an id to the same task."""
+        raise NotImplementedError
+
+    @classmethod
+    def splits(cls, world) -> dict[str, list[int]]:
+        """Fixed train/test id lists shipped with the project."""
+        return {}
+
+    # ---- one instance ----
+    def __init__(self, world):
+        self.world = world
+
+    def reset(self, idx: int) -> str:
+        """Start task `idx`; return the first observation (raise TaskError(404) for a bad idx)."""
+        raise NotImplementedError
+
+    def step(self, action: str) -> StepResult:
+        """Apply one already-parsed action string."""
+        raise NotImplementedError
+
+    def observation(self) -> str:
+        raise NotImplementedError
+
+    def available_actions(self) -> list[str]:
+        return []
+
+    def detail(self) -> dict:
+        """JSON-able description of the current state (goal, inventory, ...)."""
+        return {}
+
+    def expert_action(self) -> str | None:
+        """The action an expert takes from the current state (None when it has none)."""
+        return None
+
+    def close(self) -> None:
+        """Free resources (a JVM, a browser). Called once."""

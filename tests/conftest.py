@@ -1,0 +1,53 @@
+import http.client
+import json
+import os
+import sys
+from urllib.parse import urlsplit
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from env_server.app import serve_in_thread  # noqa: E402
+from toy_env import CounterEnv  # noqa: E402
+
+
+def raw(url: str, method: str, path: str, body=None, headers=None):
+    """One HTTP request with exactly these bytes; returns (status, decoded JSON or None)."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    if body is not None and not isinstance(body, (bytes, str)):
+        body = json.dumps(body)
+    conn.request(method, path, body, headers or {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    try:
+        return resp.status, json.loads(data)
+    except ValueError:
+        return resp.status, data
+
+
+@pytest.fixture
+def toy_server():
+    """A fresh CounterEnv server on a thread; yields its base URL."""
+    url, stop = serve_in_thread(CounterEnv)
+    yield url
+    stop()
+
+
+@pytest.fixture
+def make_toy_server():
+    """A factory for CounterEnv servers with custom limits."""
+    stops = []
+
+    def make(**kw):
+        url, stop = serve_in_thread(CounterEnv, **kw)
+        stops.append(stop)
+        return url
+
+    yield make
+    for stop in stops:
+        stop()

@@ -1,0 +1,176 @@
+"""The generic server (env_server/app.py) on a toy game: protocol shapes, every bad-input case, locking,
+the instance cap, the reaper, batch calls, and that a bug in a game is a 500 that kills nothing."""
+
+import threading
+import time
+
+import pytest
+from conftest import raw
+
+
+def test_health_and_tasks(toy_server):
+    status, h = raw(toy_server, "GET", "/")
+    assert status == 200 and h["status"] == "ok" and h["env"] == "counter" and h["batch"] is True
+    assert h["num_tasks"] == 20
+    status, t = raw(toy_server, "GET", "/tasks")
+    assert status == 200 and t["num_tasks"] == 20 and t["splits"]["test"] == [15, 16, 17, 18, 19]
+
+
+def test_agentgym_shapes_full_episode(toy_server):
+    status, c = raw(toy_server, "POST", "/create", {})
+    assert status == 200 and set(c) >= {"id", "observation", "reward", "done"} and c["id"] == 0
+    status, r = raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 2})
+    assert status == 200 and r == {"id": 0, "observation": "Reach 5.", "reward": 0, "score": 0, "done": False}
+    assert raw(toy_server, "GET", "/observation?id=0") == (200, "Total: 0")
+    assert raw(toy_server, "GET", "/available_actions?id=0") == (200, ["add N"])
+    assert raw(toy_server, "GET", "/expert_action?id=0") == (200, "add 5")
+    status, s = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 2"})
+    assert status == 200 and s["observation"] == "Total: 2" and s["done"] is False and s["reward"] == 0
+    status, s = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 3"})
+    assert s["done"] is True and s["reward"] == 1.0 and s["score"] == 1.0 and s["info"] == {"turns": 2}
+    status, d = raw(toy_server, "GET", "/detail?id=0")
+    assert d == {"target": 5, "total": 5, "task": 2, "done": True}
+    assert raw(toy_server, "POST", "/close", {"id": 0}) == (200, True)
+
+
+def test_create_with_task_and_env_idx_alias(toy_server):
+    status, c = raw(toy_server, "POST", "/create", {"data_idx": 3})
+    assert status == 200 and c["observation"] == "Reach 6."
+    # AgentGym's SearchQA/WebArena dialect: env_idx and idx
+    status, r = raw(toy_server, "POST", "/reset", {"env_idx": c["id"], "idx": 4, "seed": 0})
+    assert status == 200 and r["observation"] == "Reach 7."
+    assert raw(toy_server, "GET", f"/observation?env_idx={c['id']}") == (200, "Total: 0")
+
+
+@pytest.mark.parametrize("method,path,body,status,needle", [
+    ("POST", "/step", b"{not json", 400, "not valid JSON"),
+    ("POST", "/step", b"\xff\xfe", 400, "not valid JSON"),
+    ("POST", "/step", [1, 2], 400, "must be a JSON object"),
+    ("POST", "/step", {"action": "add 1"}, 400, "missing field 'id'"),
+    ("POST", "/step", {"id": "0", "action": "add 1"}, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": True, "action": "add 1"}, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": 0.5, "action": "add 1"}, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": 0}, 400, "missing field 'action'"),
+    ("POST", "/step", {"id": 0, "action": 7}, 400, "'action' must be a string"),
+    ("POST", "/step", {"id": 0, "action": None}, 400, "'action' must be a string"),
+    ("POST", "/step", {"id": 99, "action": "add 1"}, 404, "unknown instance id 99"),
+    ("POST", "/step", {"id": -1, "action": "add 1"}, 404, "unknown instance id -1"),
+    ("POST", "/step", {"id": 10**30, "action": "add 1"}, 404, "unknown instance id"),
+    ("POST", "/reset", {"id": 0}, 400, "missing field 'data_idx'"),
+    ("POST", "/reset", {"id": 0, "data_idx": 20}, 400, "out of range"),
+    ("POST", "/reset", {"id": 0, "data_idx": -1}, 400, "out of range"),
+    ("POST", "/reset", {"id": 0, "data_idx": "3"}, 400, "'data_idx' must be an integer"),
+    ("POST", "/create", {"data_idx": 10**9}, 400, "out of range"),
+    ("POST", "/close", {}, 400, "missing field 'id'"),
+    ("GET", "/observation", None, 400, "missing query parameter 'id'"),
+    ("GET", "/observation?id=abc", None, 400, "must be an integer"),
+    ("GET", "/detail?id=42", None, 404, "unknown instance id 42"),
+    ("GET", "/no_such_endpoint", None, 404, "Not Found"),
+    ("GET", "/step", None, 405, "Method Not Allowed"),
+    ("POST", "/batch", {"ops": "step"}, 400, "'ops' must be a list"),
+])
+def test_bad_input_is_a_json_4xx(toy_server, method, path, body, status, needle):
+    raw(toy_server, "POST", "/create", {"data_idx": 0})  # instance 0 exists
+    got_status, got = raw(toy_server, method, path, body)
+    assert got_status == status, got
+    assert isinstance(got, dict) and needle in got["error"], got
+    assert raw(toy_server, "GET", "/")[0] == 200  # still serving
+
+
+def test_episode_state_errors(toy_server):
+    raw(toy_server, "POST", "/create", {})
+    status, e = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 1"})
+    assert status == 409 and "call /reset first" in e["error"]
+    raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 0})
+    raw(toy_server, "POST", "/step", {"id": 0, "action": "add 3"})
+    status, e = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 1"})
+    assert status == 409 and "episode of instance 0 is over" in e["error"]
+    assert raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 0})[0] == 200  # a reset revives it
+    assert raw(toy_server, "POST", "/close", {"id": 0})[0] == 200
+    for method, path, body in [("POST", "/step", {"id": 0, "action": "add 1"}), ("POST", "/close", {"id": 0}),
+                               ("GET", "/observation?id=0", None)]:
+        status, e = raw(toy_server, method, path, body)
+        assert status == 404 and "instance 0 is closed" in e["error"]
+
+
+def test_oversized_body_is_413(make_toy_server):
+    url = make_toy_server(max_body_bytes=1000)
+    raw(url, "POST", "/create", {"data_idx": 0})
+    status, e = raw(url, "POST", "/step", {"id": 0, "action": "x" * 5000})
+    assert status == 413 and "error" in e
+    assert raw(url, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200
+
+
+def test_game_errors_and_bugs(toy_server):
+    raw(toy_server, "POST", "/create", {"data_idx": 19})
+    status, e = raw(toy_server, "POST", "/step", {"id": 0, "action": "refuse"})
+    assert status == 422 and e["error"] == "the game refuses this"
+    status, e = raw(toy_server, "POST", "/step", {"id": 0, "action": "crash"})
+    assert status == 500 and "RuntimeError: a bug in the game" in e["error"]
+    assert raw(toy_server, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200  # still serving
+
+
+def test_instance_cap_is_a_clear_503(make_toy_server):
+    url = make_toy_server(max_instances=3)
+    for _ in range(3):
+        assert raw(url, "POST", "/create", {})[0] == 200
+    status, e = raw(url, "POST", "/create", {})
+    assert status == 503 and "server full: 3 live instances" in e["error"] and "--max-instances" in e["error"]
+    raw(url, "POST", "/close", {"id": 1})
+    status, c = raw(url, "POST", "/create", {})
+    assert status == 200 and c["id"] == 3  # ids are never reused
+
+
+def test_idle_instances_are_reaped(make_toy_server):
+    url = make_toy_server(idle_timeout_s=0.3)
+    raw(url, "POST", "/create", {"data_idx": 0})  # id 0: left idle
+    raw(url, "POST", "/create", {"data_idx": 19})  # id 1: kept busy
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        assert raw(url, "POST", "/step", {"id": 1, "action": "add 1"})[0] == 200
+        time.sleep(0.05)
+    status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})
+    assert status == 404 and "reaped" in e["error"]
+    health = raw(url, "GET", "/")[1]
+    assert health["instances"] == 1 and health["reaped"] == 1
+
+
+def test_per_instance_lock_serialises_calls(toy_server):
+    raw(toy_server, "POST", "/create", {"data_idx": 19})
+    n_threads, per_thread = 8, 10
+
+    def hammer():
+        for _ in range(per_thread):
+            assert raw(toy_server, "POST", "/step", {"id": 0, "action": "slowadd"})[0] == 200
+
+    threads = [threading.Thread(target=hammer) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each slowadd reads, sleeps and writes: any interleaving would lose increments
+    assert raw(toy_server, "GET", "/detail?id=0")[1]["total"] == n_threads * per_thread
+
+
+def test_batch_mixes_ops_and_isolates_failures(toy_server):
+    status, out = raw(toy_server, "POST", "/batch", {"ops": [
+        {"op": "create", "data_idx": 0}, {"op": "create"}, {"op": "reset", "id": 1, "data_idx": 1},
+        {"op": "step", "id": 0, "action": "add 3"}, {"op": "step", "id": 7, "action": "add 1"},
+        {"op": "step", "id": 0, "action": "add 1"}, {"op": "explode"}, 5, {"op": "step", "id": 1, "action": "crash"},
+        {"op": "close", "id": 1},
+    ]})
+    assert status == 200
+    r = out["results"]
+    assert r[0]["observation"] == "Reach 3." and r[1]["id"] == 1 and r[2]["observation"] == "Reach 4."
+    assert r[3]["done"] is True and r[3]["reward"] == 1.0
+    assert r[4] == {"error": "unknown instance id 7", "status": 404}
+    assert r[5]["status"] == 409
+    assert r[6]["status"] == 400 and r[7]["status"] == 400
+    assert r[8]["status"] == 500 and "a bug in the game" in r[8]["error"]
+    assert r[9] is True
+
+
+def test_batch_size_limit(make_toy_server):
+    url = make_toy_server(max_batch_ops=4)
+    status, e = raw(url, "POST", "/batch", {"ops": [{"op": "create"}] * 5})
+    assert status == 400 and "at most 4 ops" in e["error"]

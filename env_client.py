@@ -60,6 +60,11 @@ def parse_search_answer(reply: str) -> ParsedAction:
     return ParsedAction(m.group(0) if m else "")
 
 
+def parse_whole_reply(reply: str) -> ParsedAction:
+    """Corridor: the game reads the words itself (the last "left" or "right" counts)."""
+    return ParsedAction(reply)
+
+
 def parse_raw(reply: str) -> ParsedAction:
     """WebArena: the server parses the action block itself, so the whole reply goes."""
     return ParsedAction(reply)
@@ -71,6 +76,7 @@ ACTION_PARSERS = {
     "sciworld": parse_last_action,
     "searchqa": parse_search_answer,
     "webarena": parse_raw,
+    "corridor": parse_whole_reply,
 }
 
 

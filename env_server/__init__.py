@@ -8,6 +8,7 @@ from .base import Env, StepResult, TaskError
 ENVS = {
     "textcraft": "env_server.textcraft:TextCraftEnv",
     "babyai": "env_server.babyai:BabyAIEnv",
+    "corridor": "env_server.corridor:CorridorEnv",  # a sanity-check game for learning tests
 }
 
 

@@ -1,0 +1,63 @@
+"""Corridor: a two-action sanity-check game, the CartPole of this project.
+
+The agent stands in a corridor; the goal is `distance` cells to its left or right. Each turn it answers
+`left` or `right` (the last of those words in its reply counts; a reply with neither waits). The
+observation tells where the goal is. Reward 1 on reaching the goal, 0 otherwise; done on reaching it.
+A random policy wins sometimes, a good one always: small models learn it in minutes on a CPU, which
+makes it the learning test of the training loop, not a benchmark.
+
+Task id i: the goal is on the right when i is even, at distance 1 + (i // 2) % 3.
+"""
+
+from __future__ import annotations
+
+from .base import Env, StepResult, TaskError
+
+NUM_TASKS = 60
+
+
+class CorridorEnv(Env):
+    name = "corridor"
+
+    @classmethod
+    def num_tasks(cls, world) -> int:
+        return NUM_TASKS
+
+    @classmethod
+    def splits(cls, world) -> dict[str, list[int]]:
+        return {"train": list(range(0, 48)), "test": list(range(48, NUM_TASKS))}
+
+    @classmethod
+    def task_category(cls, world, idx: int) -> str:
+        return f"distance_{1 + (idx // 2) % 3}"
+
+    def reset(self, idx: int) -> str:
+        if not 0 <= idx < NUM_TASKS:
+            raise TaskError(f"task id {idx} out of range 0..{NUM_TASKS - 1}", 404)
+        self.goal = (1 + (idx // 2) % 3) * (1 if idx % 2 == 0 else -1)
+        self.pos, self.done = 0, False
+        return self.observation()
+
+    def observation(self) -> str:
+        gap = self.goal - self.pos
+        if gap == 0:
+            return "You reached the goal."
+        return f"The goal is {abs(gap)} steps to your {'right' if gap > 0 else 'left'}."
+
+    def step(self, action: str) -> StepResult:
+        if self.done:
+            raise TaskError("the episode is over", 409)
+        words = [w for w in action.lower().replace(",", " ").replace(".", " ").split() if w in ("left", "right")]
+        if words:
+            self.pos += 1 if words[-1] == "right" else -1
+        self.done = self.pos == self.goal
+        return StepResult(self.observation(), 1.0 if self.done else 0.0, self.done)
+
+    def available_actions(self) -> list[str]:
+        return ["left", "right"]
+
+    def detail(self) -> dict:
+        return {"goal": self.goal, "position": self.pos}
+
+    def expert_action(self) -> str | None:
+        return None if self.done else ("right" if self.goal > self.pos else "left")

@@ -1,0 +1,428 @@
+"""Multi-turn rollouts, token in / token out.
+
+One trajectory = one env instance playing one task for up to K assistant turns. All unfinished
+trajectories generate together, then their envs step together (one batched HTTP call), then each
+observation is appended. The row of token ids of a trajectory is built by appending, never re-encoding:
+
+    prompt ids (chat template of the opening messages, with the generation prompt)
+    + sampled ids of turn 1 (loss mask 1, sampler log-probs kept), ending with the end-of-turn token
+    + observation ids (the chat template's rendering of the user turn, loss mask 0)
+    + sampled ids of turn 2 ... and so on.
+
+So the ids trained on are exactly the ids the sampler produced and saw. Every turn the row is checked
+against the chat template of the messages so far: equal ids (the usual case), or equal text with a
+different but valid tokenization of sampled text (`noncanonical`), or different text (`mismatch`): a
+template that rewrites history (Qwen3 drops earlier <think> blocks; `ChatFormat.prefix_preserving` tells
+in advance), or a tokenizer whose decode/encode is not an exact round trip. A mismatch is reported
+loudly and counted; the row still holds what the policy saw, which is what it is trained on.
+
+Statuses (DESIGN.md): done, max_turns, context_limit, env_error. An env error drops the trajectory from
+the loss; it is never scored as 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from env_client import EnvError, EnvPool, parse_action
+
+# ---------------------------------------------------------------- the agent's prompts (react scheme)
+INSTRUCTIONS = {
+    "textcraft": (
+        "You are playing a crafting game. Each turn you get an observation and answer with one action.\n"
+        "Commands:\n"
+        "- get N item: take N of a base item, e.g. get 2 oak log\n"
+        "- craft N item using N ingredient, N ingredient: use exactly one of the listed crafting "
+        "commands, e.g. craft 4 oak planks using 1 oak log; a generic ingredient such as planks may be "
+        "given as a specific kind such as dark oak planks\n"
+        "- inventory: list what you hold\n"
+        "Answer in this format:\nThought: <your reasoning>\nAction: <one command>"
+    ),
+    "babyai": (
+        "You are an agent in a grid world with rooms, doors, keys, balls and boxes. Each turn you get an "
+        "observation and answer with one action.\n"
+        "Actions: turn left, turn right, move forward, go to <obj> <n>, pickup <obj> <n>, "
+        "go through <door> <n>, toggle and go through <door> <n>, toggle, drop, check available actions.\n"
+        "Answer in this format:\nThought: <your reasoning>\nAction: <one action>"
+    ),
+    "corridor": "You are in a corridor. Each turn answer left or right to walk toward the goal.",
+}
+ACK = "OK. I will follow these instructions."
+
+
+def system_prompt(env: str) -> str:
+    if env not in INSTRUCTIONS:
+        raise ValueError(f"no instructions for env {env!r}; known: {sorted(INSTRUCTIONS)}")
+    return INSTRUCTIONS[env]
+
+
+def opening_messages(env: str, first_observation: str) -> list[dict]:
+    """Instruction turn, the assistant's acknowledgement, then the env's first observation (as upstream)."""
+    return [{"role": "user", "content": system_prompt(env)}, {"role": "assistant", "content": ACK},
+            {"role": "user", "content": first_observation}]
+
+
+def react_reply(env: str, action: str, thought: str | None = None) -> str:
+    """An assistant reply in the react format, e.g. for expert demonstrations."""
+    return f"Thought: {thought or 'I will ' + action + '.'}\nAction: {action}"
+
+
+# ---------------------------------------------------------------- chat template, as token deltas
+class ChatFormat:
+    """What to append after a sampled reply, read off the tokenizer's own chat template.
+
+    The template is rendered on a fixed dummy conversation [user U, assistant A, user OBS] and the
+    text after "A" is the observation turn: the end-of-turn marker, the user turn, the generation
+    prompt. Its first token is the end-of-turn token the policy samples to end its reply.
+    """
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; use an instruct/chat model's tokenizer")
+        self.tok = tokenizer
+        anchor = self.encode(self._after_reply("x"))
+        first = anchor[0] if anchor else None
+        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        # The end-of-turn token: the first token after the reply if it is a special token (<|im_end|>,
+        # <|end|>); otherwise replies end at the tokenizer's eos.
+        self.eot_id = first if first in special else tokenizer.eos_token_id
+        self.stop_ids = sorted({i for i in (self.eot_id, tokenizer.eos_token_id) if i is not None})
+        self.eot_is_anchor = first in special
+        self.prefix_preserving = self._check_prefix_preserving()
+
+    def _render(self, messages: list[dict], gen: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _after_reply(self, observation: str) -> str:
+        base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        head = self._render(base[:1], gen=True) + "A"
+        full = self._render(base + [{"role": "user", "content": observation}], gen=True)
+        if not full.startswith(head):
+            raise ValueError("the chat template does not render an assistant turn as prompt + content; "
+                             "cannot build observation turns from it")
+        return full[len(head):]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self._render(messages, gen=True))
+
+    def observation_ids(self, observation: str, reply_ended: bool) -> list[int]:
+        """Ids to append after a reply: the end-of-turn token (unless the policy sampled it), the user
+        turn with `observation`, and the generation prompt. Tokenised with the end-of-turn special token
+        in front, as inside the full template, so boundaries match."""
+        ids = self.encode(self._after_reply(observation))
+        if reply_ended and self.eot_is_anchor:
+            ids = ids[1:]
+        return ids
+
+    def _check_prefix_preserving(self) -> bool:
+        """Does rendering a longer conversation keep the shorter one as its prefix, reasoning included?"""
+        msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nA1"}]
+        short = self._render(msgs, gen=False)
+        eos = self.tok.eos_token or ""
+        if eos and short.endswith(eos):  # Phi-3 ends a finished conversation with eos
+            short = short[: -len(eos)]
+        return self._render(msgs + [{"role": "user", "content": "Q2"}], gen=True).startswith(short)
+
+
+# ---------------------------------------------------------------- generation engines
+@dataclass
+class Sample:
+    ids: list[int]  # sampled ids, including the stop token when one was sampled
+    logprobs: list[float]  # sampler log-prob of each sampled id
+    stopped: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on any transformers causal LM (CPU or GPU).
+
+    Log-probs are those of the tempered distribution, log softmax(logits / temperature), before top-p
+    truncation; the trainer computes its log-probs the same way, so the PPO ratio is 1 on-policy.
+    """
+
+    def __init__(self, model, pad_id: int, max_batch: int = 64):
+        self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
+
+    def sync_weights(self, model) -> None:
+        self.model = model  # same process, same object: nothing to copy
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None
+                 ) -> list[Sample]:
+        out = []
+        for i in range(0, len(prompts), self.max_batch):
+            out += self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
+                                  generator)
+        return out
+
+    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator):
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding: every row's next token goes at column L
+            ids[b, L - len(p):] = torch.tensor(p)
+            attn[b, L - len(p):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(stop_ids, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        new_ids, new_lps = [], []
+        cache, step_ids, step_pos = None, ids, pos
+        for _ in range(max_new_tokens):
+            o = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
+                      use_cache=True)
+            cache = o.past_key_values
+            logits = o.logits[:, -1].float()  # (B, V)
+            if temperature > 0:
+                logits = logits / temperature
+            logp = torch.log_softmax(logits, -1)
+            if temperature <= 0:
+                nxt = logp.argmax(-1)
+            else:
+                probs = logp.exp()
+                if top_p < 1.0:
+                    probs = _top_p_filter(probs, top_p)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            new_ids.append(nxt)
+            new_lps.append(lp)
+            done = done | torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # finished rows: ignored
+            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        model.train(was_training)
+        new_ids_t, new_lps_t = torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
+        stop_set = set(stop_ids)
+        out = []
+        for b in range(B):
+            ids_b, lps_b = [], []
+            for t in range(new_ids_t.shape[1]):
+                tok = int(new_ids_t[b, t])
+                ids_b.append(tok)
+                lps_b.append(float(new_lps_t[b, t]))
+                if tok in stop_set:
+                    break
+            out.append(Sample(ids_b, lps_b, bool(ids_b) and ids_b[-1] in stop_set))
+        return out
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches top_p (nucleus sampling)."""
+    sorted_p, idx = probs.sort(-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+# ---------------------------------------------------------------- trajectories
+@dataclass
+class Trajectory:
+    env: str
+    item_id: int
+    group: int
+    messages: list[dict]
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turns: int = 0
+    status: str = "running"
+    reward: float = 0.0
+    template: str = "exact"  # exact | noncanonical | mismatch (see the module docstring)
+    error: str | None = None
+    n_prompt: int = 0  # ids of the opening prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status != "running"
+
+
+def check_against_template(fmt: ChatFormat, t: Trajectory) -> str:
+    """exact: the row is the template's ids; noncanonical: same text, another valid tokenisation of
+    sampled text; mismatch: the template renders these messages as other text."""
+    text = fmt._render(t.messages, gen=True)
+    if fmt.encode(text) == t.token_ids:
+        return "exact"
+    decoded = fmt.tok.decode(t.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return "noncanonical" if decoded == text else "mismatch"
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10  # assistant turns (the scheduler's horizon K)
+    max_new_tokens: int = 64  # per turn
+    max_context: int = 4096  # tokens per trajectory
+    temperature: float = 1.0
+    top_p: float = 1.0
+    check_template: bool = True  # compare each row to the chat template every turn
+
+
+def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
+            cfg: RolloutConfig, generator: torch.Generator | None = None, progress=None) -> list[Trajectory]:
+    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended."""
+    assert len(item_ids) == pool.size == len(groups)
+    trajs: list[Trajectory] = []
+    for item, group, first in zip(item_ids, groups, pool.reset(list(item_ids))):
+        t = Trajectory(env, item, group, [], [], [], [])
+        if isinstance(first, EnvError):
+            t.status, t.error = "env_error", str(first)
+        else:
+            t.messages = opening_messages(env, first)
+            t.token_ids = fmt.prompt_ids(t.messages)
+            t.n_prompt = len(t.token_ids)
+            t.loss_mask = [0] * len(t.token_ids)
+            t.logprobs = [0.0] * len(t.token_ids)
+        trajs.append(t)
+
+    for turn in range(cfg.max_turns):
+        for t in trajs:  # the next reply must fit: stop before generating, not in the middle
+            if not t.finished and len(t.token_ids) + cfg.max_new_tokens > cfg.max_context:
+                t.status = "context_limit"
+        active = [i for i, t in enumerate(trajs) if not t.finished]
+        if not active:
+            break
+        samples = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, fmt.stop_ids,
+                                  cfg.temperature, cfg.top_p, generator)
+        actions: list[str | None] = [None] * pool.size
+        parse_errors: dict[int, str] = {}
+        for i, s in zip(active, samples):
+            t = trajs[i]
+            t.token_ids += s.ids
+            t.loss_mask += [1] * len(s.ids)
+            t.logprobs += s.logprobs
+            t.turns += 1
+            body = s.ids[:-1] if s.stopped else s.ids
+            reply = fmt.tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            t.messages.append({"role": "assistant", "content": reply})
+            parsed = parse_action(env, reply)
+            if parsed.action is None:
+                parse_errors[i] = parsed.error
+            else:
+                actions[i] = parsed.action
+        results = pool.step(actions)
+        for i, s in zip(active, samples):
+            t, r = trajs[i], results[i]
+            if isinstance(r, EnvError):
+                t.status, t.error = "env_error", str(r)
+                continue
+            obs = parse_errors[i] if i in parse_errors else r.observation
+            if r is not None:
+                t.reward = r.reward
+                if r.done:
+                    t.status = "done"
+            t.messages.append({"role": "user", "content": obs})
+            if t.finished:
+                continue
+            if t.turns >= cfg.max_turns:
+                t.status = "max_turns"
+                continue
+            t.token_ids += (obs_ids := fmt.observation_ids(obs, s.stopped))
+            t.loss_mask += [0] * len(obs_ids)
+            t.logprobs += [0.0] * len(obs_ids)
+            if cfg.check_template and t.template != "mismatch":
+                t.template = _worse(t.template, check_against_template(fmt, t))
+            if len(t.token_ids) >= cfg.max_context:
+                t.status = "context_limit"
+        if progress is not None:
+            progress(turn + 1, sum(t.finished for t in trajs), len(trajs))
+    for t in trajs:
+        if not t.finished:
+            t.status = "max_turns"
+    mismatched = sum(t.template == "mismatch" for t in trajs)
+    if mismatched:
+        why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
+               if not fmt.prefix_preserving else "decode/encode is not a round trip for this tokenizer")
+        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering of their "
+                      f"messages: {why}. Rows keep the ids the policy saw, and those are trained on.", stacklevel=2)
+    return trajs
+
+
+def _worse(a: str, b: str) -> str:
+    order = ["exact", "noncanonical", "mismatch"]
+    return order[max(order.index(a), order.index(b))]
+
+
+# ---------------------------------------------------------------- training batch
+def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for the trainer; env errors are left out by the caller.
+
+    input_ids, attention_mask, position_ids, loss_mask, old_logprobs: (B, T), aligned so that
+    loss_mask[b, t] = 1 means token t was sampled by the policy with log-prob old_logprobs[b, t]
+    given tokens < t. rewards: (B,) outcome rewards; the trainer puts each on the row's last sampled
+    token (algos.token_rewards_from_outcome).
+    """
+    T = max(len(t.token_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    lps = torch.zeros((B, T), dtype=torch.float32)
+    for b, t in enumerate(trajs):
+        n = len(t.token_ids)
+        ids[b, :n] = torch.tensor(t.token_ids)
+        attn[b, :n] = 1
+        mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        lps[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    pos = torch.arange(T).expand(B, T).clone()
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    groups = torch.tensor([t.group for t in trajs], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": mask,
+            "old_logprobs": lps, "rewards": rewards, "group_ids": groups}
+
+
+def length_buckets(lengths: list[int], max_tokens: int, overhead_tokens: int | None = None) -> list[list[int]]:
+    """Split row indices into micro-batches of similar length, each with rows x longest <= max_tokens
+    (a row longer than that gets its own batch), minimising padded tokens plus `overhead_tokens` per
+    micro-batch (a forward pass has a fixed cost; default max_tokens / 16). Rows sorted by length make
+    each batch a contiguous run, so a short dynamic programme finds the best cut points."""
+    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    L = [lengths[i] for i in order]
+    n = len(L)
+    prefix = [0]
+    for x in L:
+        prefix.append(prefix[-1] + x)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
+            if L[i] * (j - i) > max_tokens and j - i > 1:
+                break
+            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+# ---------------------------------------------------------------- trajectory log
+def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> None:
+    """OUT/rollouts/step_000042.jsonl: one JSON object per trajectory (DESIGN.md's format)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for t in trajs:
+            d = asdict(t)
+            d.update(step=step, max_turns=max_turns)
+            f.write(json.dumps(d) + "\n")
+    os.replace(tmp, path)
+
+
+__all__ = ["ChatFormat", "HFEngine", "RolloutConfig", "Sample", "Trajectory", "build_batch", "length_buckets",
+           "opening_messages", "react_reply", "rollout", "system_prompt", "write_log"]

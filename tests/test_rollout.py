@@ -1,0 +1,202 @@
+"""rollout.py: token-in/token-out rows checked against real chat templates (Qwen2.5, Qwen3, Phi-3), loss
+masks, statuses, the batch builder, and the HF engine's log-probs against a plain forward pass."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from env_client import ONE_ACTION_ERROR, EnvPool
+from env_server.app import serve_in_thread
+from env_server.textcraft import TextCraftEnv
+from rollout import (ChatFormat, HFEngine, RolloutConfig, Sample, build_batch, length_buckets, rollout,
+                     write_log)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
+                          os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizers"))
+
+
+def real_tokenizer(name):
+    path = os.path.join(FIXTURES, name)
+    if not os.path.isdir(path):
+        pytest.skip(f"tokenizer fixtures not found at {path} (set TOKENIZER_FIXTURES)")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class ScriptedEngine:
+    """Replies from a script, tokenised canonically, ending with the end-of-turn token unless `cut`."""
+
+    def __init__(self, fmt, replies, cut=()):
+        self.fmt, self.replies, self.cut, self.turn = fmt, replies, set(cut), 0
+
+    def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0, generator=None):
+        reply = self.replies[self.turn % len(self.replies)]
+        stopped = self.turn not in self.cut
+        self.turn += 1
+        out = []
+        for p in prompts:
+            ids = in_context(self.fmt, p, reply) + ([self.fmt.eot_id] if stopped else [])
+            out.append(Sample(ids, [-0.5] * len(ids), stopped))
+        return out
+
+
+def in_context(fmt, prompt_ids, reply):
+    """The canonical tokens of `reply` right after `prompt_ids`, as the template's own tokenisation
+    would have them (SentencePiece tokenizers such as Phi-3's tokenise a word differently at the start
+    of a string)."""
+    prompt_text = fmt.tok.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    ids = fmt.encode(prompt_text + reply)
+    assert ids[:len(prompt_ids)] == prompt_ids
+    return ids[len(prompt_ids):]
+
+
+@pytest.fixture(scope="module")
+def textcraft_url():
+    url, stop = serve_in_thread(TextCraftEnv)
+    yield url
+    stop()
+
+
+REPLIES = ["Thought: check.\nAction: inventory", "Thought: logs.\nAction: get 1 oak log",
+           "Action: get 1 stick\nAction: inventory"]
+
+
+def play(url, tok, replies, n=2, cut=(), **cfg):
+    fmt = ChatFormat(tok)
+    with EnvPool(url, n) as pool:
+        trajs = rollout(ScriptedEngine(fmt, replies, cut), fmt, pool, "textcraft", list(range(n)),
+                        list(range(n)), RolloutConfig(**{"max_turns": 3, **cfg}))
+    return fmt, trajs
+
+
+def sampled_runs(t):
+    runs, cur = [], []
+    for i, m in zip(t.token_ids, t.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "phi-3-mini", "qwen3"])
+def test_rows_equal_the_chat_template(textcraft_url, name):
+    tok = real_tokenizer(name)
+    fmt, trajs = play(textcraft_url, tok, REPLIES)
+    for t in trajs:
+        assert t.status == "max_turns" and t.turns == 3 and t.template == "exact"
+        assert t.messages[-1]["content"] == ONE_ACTION_ERROR  # the third reply broke the one-Action rule
+        # the loss mask covers exactly what the policy produced: each reply and its end-of-turn token
+        assert [fmt.tok.decode(r) for r in sampled_runs(t)] == [fmt.tok.decode(fmt.encode(r) + [fmt.eot_id])
+                                                             for r in REPLIES]
+        assert len(t.logprobs) == len(t.token_ids) and all(lp == 0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
+        # the whole row is the template's tokenisation of the conversation, up to the final reply's
+        # end-of-turn token (the last observation came after the final turn, so it is not in the row)
+        full = fmt.encode(tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True))
+        assert full[:len(t.token_ids)] == t.token_ids
+        assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"], reply_ended=True)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "phi-3-mini"])
+def test_reply_cut_at_max_tokens_gets_an_unsampled_end_of_turn(textcraft_url, name):
+    tok = real_tokenizer(name)
+    fmt, trajs = play(textcraft_url, tok, REPLIES, cut={0})
+    t = trajs[0]
+    assert t.template == "exact"
+    start = t.n_prompt
+    first_reply = in_context(fmt, t.token_ids[:start], REPLIES[0])
+    assert t.token_ids[start:start + len(first_reply) + 1] == first_reply + [fmt.eot_id]
+    assert t.loss_mask[start:start + len(first_reply) + 1] == [1] * len(first_reply) + [0]
+
+
+def test_qwen3_history_rewriting_is_detected(textcraft_url):
+    tok = real_tokenizer("qwen3")
+    fmt = ChatFormat(tok)
+    assert fmt.prefix_preserving is False
+    assert ChatFormat(real_tokenizer("qwen2.5-instruct")).prefix_preserving is True
+    thinking = ["<think>\nI need wood.\n</think>\n\nAction: get 1 oak log", "<think>\nok\n</think>\n\nAction: inventory"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trajs = play(textcraft_url, tok, thinking)
+    assert all(t.template == "mismatch" for t in trajs)
+    assert any("differ from the chat template" in str(w.message) for w in caught)
+    # the row still holds exactly what was sampled: the <think> blocks stay in the ids
+    assert all(sampled_runs(t)[0] == in_context(fmt, t.token_ids[:t.n_prompt], thinking[0]) + [fmt.eot_id]
+               for t in trajs)
+
+
+def test_statuses_and_env_errors(textcraft_url):
+    tok = real_tokenizer("qwen2.5-instruct")
+    fmt = ChatFormat(tok)
+    n_prompt = len(fmt.prompt_ids([{"role": "user", "content": "x"}]))
+    _, trajs = play(textcraft_url, tok, REPLIES, max_context=n_prompt + 60, max_new_tokens=40)
+    assert {t.status for t in trajs} == {"context_limit"}
+    with EnvPool(textcraft_url, 2) as pool:
+        trajs = rollout(ScriptedEngine(fmt, REPLIES), fmt, pool, "textcraft", [0, 10**6], [0, 1],
+                        RolloutConfig(max_turns=2))
+    assert trajs[0].status == "max_turns"
+    assert trajs[1].status == "env_error" and "out of range" in trajs[1].error and trajs[1].token_ids == []
+
+
+def test_expert_replies_finish_with_reward(textcraft_url):
+    tok = real_tokenizer("qwen2.5-instruct")
+    env = TextCraftEnv(TextCraftEnv.load_world(None))
+    plan = TextCraftEnv.expert_plan(env.world, 0)
+    fmt, trajs = play(textcraft_url, tok, [f"Action: {a}" for a in plan], n=1, max_turns=30)
+    assert trajs[0].status == "done" and trajs[0].reward == 1.0 and trajs[0].turns == len(plan)
+
+
+def test_build_batch_and_log(tmp_path, textcraft_url):
+    tok = real_tokenizer("qwen2.5-instruct")
+    _, trajs = play(textcraft_url, tok, REPLIES, n=3)
+    trajs[1].reward = 1.0
+    b = build_batch(trajs, tok.pad_token_id)
+    B, T = b["input_ids"].shape
+    assert B == 3 and T == max(len(t.token_ids) for t in trajs)
+    for i, t in enumerate(trajs):
+        n = len(t.token_ids)
+        assert b["input_ids"][i, :n].tolist() == t.token_ids and b["attention_mask"][i].sum() == n
+        assert b["loss_mask"][i, :n].tolist() == t.loss_mask and b["loss_mask"][i, n:].sum() == 0
+    assert b["rewards"].tolist() == [0.0, 1.0, 0.0]
+    path = tmp_path / "rollouts" / "step_000001.jsonl"
+    write_log(str(path), 1, 3, trajs)
+    import json
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]["step"] == 1 and rows[0]["max_turns"] == 3
+    assert set(rows[0]) >= {"env", "item_id", "group", "turns", "status", "reward", "messages", "token_ids",
+                            "loss_mask", "logprobs"}
+
+
+def test_length_buckets_keep_padding_small():
+    lengths = [100, 900, 120, 880, 500, 510, 95, 905]
+    buckets = length_buckets(lengths, max_tokens=2000)
+    assert sorted(i for b in buckets for i in b) == list(range(8))
+    for b in buckets:
+        assert max(lengths[i] for i in b) * len(b) <= 2000 or len(b) == 1
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in buckets)
+    assert (padded - sum(lengths)) / padded < 0.15
+
+
+def test_hf_engine_logprobs_match_a_forward_pass(tmp_path):
+    """Left padding, position ids and the KV cache: the engine's log-probs equal those of one plain
+    forward pass over prompt + sample, row by row."""
+    from tiny_model import build_model
+    torch.manual_seed(0)
+    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
+    engine = HFEngine(model, pad_id=0)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    g = torch.Generator().manual_seed(0)
+    samples = engine.generate(prompts, max_new_tokens=8, stop_ids=[3], temperature=0.7, generator=g)
+    for p, s in zip(prompts, samples):
+        assert 1 <= len(s.ids) <= 8 and s.stopped == (s.ids[-1] == 3)
+        ids = torch.tensor([p + s.ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(p) - 1:-1].float() / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.ids)[:, None]).squeeze(-1)
+        assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4), (ref, s.logprobs)
+    greedy = engine.generate(prompts, max_new_tokens=5, stop_ids=[3], temperature=0.0)
+    assert greedy == engine.generate(prompts, max_new_tokens=5, stop_ids=[3], temperature=0.0)

@@ -1,0 +1,426 @@
+"""Multi-turn RL for LLM agents, top to bottom: rollout -> advantages -> update -> log/checkpoint.
+
+    python train.py --env textcraft --schedule 10,20,30            # ScalingInter-RL, 3 horizon stages
+    python train.py --env babyai --schedule 15 --algo ppo           # fixed horizon, PPO with a critic
+    python train.py --env corridor --steps 40 --resume              # continue a run in --out
+
+Each step: the scheduler gives the turn horizon K; `batch_size` training tasks x `group_size` copies
+are played for up to K assistant turns (rollout.py); advantages come from algos.py (GRPO, RLOO,
+REINFORCE++, or GAE with a critic for PPO); the policy takes `ppo_epochs` passes of clipped policy-
+gradient updates over mini-batches, micro-batched by length. Without `--env-addr` a local env server
+is started and stopped at exit. Logs: OUT/metrics.jsonl, OUT/rollouts/step_*.jsonl, OUT/config.json;
+checkpoints in OUT/checkpoint (an HF model folder + trainer_state.pt), written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+import algos
+from env_client import EnvClient, EnvPool
+from rollout import ChatFormat, HFEngine, RolloutConfig, build_batch, length_buckets, rollout, write_log
+from scheduler import make_schedule
+
+
+def arg(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    # Environment
+    env: str = arg("textcraft", "environment: textcraft, babyai, corridor, ...")
+    env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
+    # Horizon schedule (ScalingInter-RL)
+    schedule: str = arg("10,20,30", "turn horizons: '15' fixed, '10,20,30' grows stage by stage")
+    schedule_every: int | None = arg(None, "steps per stage (default: steps / number of stages)")
+    schedule_kind: str = arg("step", "step: fixed stage length; plateau: advance when success stalls",
+                             choices=["step", "plateau"])
+    # Algorithm
+    algo: str = arg("grpo", "advantage estimator", choices=["grpo", "rloo", "reinforce_pp", "ppo"])
+    steps: int = arg(30, "training steps")
+    batch_size: int = arg(8, "tasks per step")
+    group_size: int = arg(4, "trajectories per task (GRPO/RLOO groups)")
+    lr: float = arg(1e-4, "policy learning rate (AdamW); ~1e-6 for 3B-7B models")
+    critic_lr: float = arg(1e-4, "critic learning rate (PPO)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    ppo_epochs: int = arg(1, "passes over each batch")
+    mini_batch_size: int | None = arg(None, "trajectories per optimizer step (default: the whole batch)")
+    micro_batch_tokens: int = arg(16384, "padded tokens per forward/backward pass")
+    clip_low: float = arg(0.2, "PPO ratio clip below 1")
+    clip_high: float = arg(0.2, "PPO ratio clip above 1")
+    dual_clip: float | None = arg(None, "dual-clip constant (> 1) for negative advantages")
+    value_clip: float = arg(0.2, "critic value clip (PPO)")
+    kl_coef: float = arg(0.0, "KL-to-reference loss coefficient (0: no reference model)")
+    kl_kind: str = arg("k3", "KL estimator", choices=["k1", "k2", "k3"])
+    entropy_coef: float = arg(0.0, "entropy bonus coefficient")
+    gamma: float = arg(1.0, "discount over sampled tokens (REINFORCE++, PPO)")
+    lam: float = arg(1.0, "GAE lambda (PPO)")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    loss_agg: str = arg("seq_mean_token_mean", "loss aggregation", choices=list(algos.AGG_MODES))
+    # Generation
+    model: str | None = arg(None, "HF model folder or hub name; absent: the built-in tiny model")
+    engine: str = arg("hf", "generation engine", choices=["hf"])
+    temperature: float = arg(1.0, "sampling temperature")
+    top_p: float = arg(1.0, "nucleus sampling")
+    max_new_tokens: int = arg(48, "tokens per assistant turn")
+    max_context: int = arg(4096, "tokens per trajectory")
+    # Run
+    seed: int = arg(0, "seed of task order, sampling and init")
+    out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
+    resume: bool = arg(False, "continue the run in --out from its checkpoint")
+    save_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
+    device: str = arg("auto", "cpu, cuda or auto")
+    threads: int = arg(0, "CPU threads for torch (0: all cores but one, which the env server needs)")
+    cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
+                         "where the built-in tiny model is built once")
+
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        p.add_argument(flag, type=kind, default=f.default, help=meta["help"], choices=meta.get("choices"))
+    cfg = Config(**vars(p.parse_args(argv)))
+    for name in ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens"):
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.mini_batch_size is not None and not 1 <= cfg.mini_batch_size:
+        p.error("--mini-batch-size must be at least 1")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
+        p.error("--dual-clip must be greater than 1")
+    if cfg.max_context <= cfg.max_new_tokens:
+        p.error("--max-context must be larger than --max-new-tokens")
+    if cfg.resume and not cfg.out:
+        p.error("--resume needs --out: the run folder to continue")
+    try:
+        make_schedule(cfg.schedule, cfg.schedule_every or 1, cfg.schedule_kind)
+    except ValueError as e:
+        p.error(str(e))
+    return cfg
+
+
+# ---------------------------------------------------------------- models
+def tiny_model_path(cfg: Config) -> str:
+    """The built-in tiny model for this env, built once into the cache folder."""
+    import tiny_model
+
+    kind = "words" if cfg.env == "corridor" else "bpe"
+    path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{kind}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = path + f".tmp{os.getpid()}"
+        tiny_model.build(tmp, env_names=(cfg.env,), tokenizer=kind, layers=2 if kind == "words" else 4,
+                         hidden=64 if kind == "words" else 256)
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+        if os.path.exists(path):  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, path)
+    return path
+
+
+class Critic(torch.nn.Module):
+    """A value head on a copy of the policy's transformer body: V(prefix) for every position."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path)
+        self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(h).squeeze(-1).float()  # (B, T)
+
+
+def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False):
+    """Log-probs (and entropies) of tokens 1..T-1 given their prefixes: (b, T-1), the trainer's side of
+    the sampler's tempered log-probs."""
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                   position_ids=mb["position_ids"]).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    lp = algos.logprobs_from_logits(logits, mb["input_ids"][:, 1:])
+    return lp, (algos.entropy_from_logits(logits) if with_entropy else None)
+
+
+def shifted(batch: dict) -> dict:
+    """Per-token tensors moved to 'target' coordinates: position t holds token t+1's mask, log-prob,
+    reward, as produced from the logits at t."""
+    return {"mask": batch["loss_mask"][:, 1:], "old_logprobs": batch["old_logprobs"][:, 1:]}
+
+
+def micro_weight(mask_micro: torch.Tensor, mask_mini: torch.Tensor, mode: str) -> float:
+    """Share of a micro-batch in its mini-batch's loss, so that accumulated gradients equal one pass
+    over the whole mini-batch for every aggregation mode."""
+    if mode == "token_mean":
+        return float(mask_micro.sum() / mask_mini.sum().clamp(min=1))
+    return float((mask_micro.sum(-1) > 0).sum() / (mask_mini.sum(-1) > 0).sum().clamp(min=1))
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dict) -> None:
+    """Write OUT/checkpoint.tmp, then swap it in: an interrupted save never replaces a good one."""
+    final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(os.path.join(tmp, "model"))
+    tokenizer.save_pretrained(os.path.join(tmp, "model"))
+    extra = {"optims": {k: o.state_dict() for k, o in optims.items()}, **state}
+    if critic is not None:
+        extra["critic"] = critic.state_dict()
+    torch.save(extra, os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(out: str) -> str | None:
+    for name in ("checkpoint", "checkpoint.old"):  # .old survives a crash between the two renames
+        path = os.path.join(out, name)
+        if os.path.exists(os.path.join(path, "trainer_state.pt")):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------- the loop
+def main(cfg: Config) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # -------- setup
+    if cfg.out is None:
+        cfg.out = os.path.join("runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}")
+    ckpt = find_checkpoint(cfg.out) if cfg.resume else None
+    if cfg.resume and ckpt is None:
+        sys.exit(f"--resume: no checkpoint in {cfg.out}")
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    # An oversubscribed CPU is catastrophic for torch's OpenMP threads (100x slower when the env server
+    # takes a core they spin on), so leave one core free by default.
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+
+    server = None
+    if cfg.env_addr is None:
+        from env_server.app import ServerProcess
+        server = ServerProcess(cfg.env)
+    url = cfg.env_addr or server.url
+    try:
+        return train(cfg, url, ckpt, device, AutoModelForCausalLM, AutoTokenizer)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
+    tasks = EnvClient(url).http.request("GET", "/tasks", retry=True)
+    train_ids = tasks["splits"]["train"]
+    init_path = cfg.model or tiny_model_path(cfg)  # the initial policy: also the KL reference
+    model_path = os.path.join(ckpt, "model") if ckpt else init_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path).to(device)
+    model.train()
+    fmt = ChatFormat(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.eot_id
+    ref = AutoModelForCausalLM.from_pretrained(init_path).to(device).eval() if cfg.kl_coef > 0 else None
+    critic = Critic(model_path).to(device) if cfg.algo == "ppo" else None
+    optims = {"policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)}
+    if critic is not None:
+        optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+    n_stages = len(cfg.schedule.split(","))
+    every = cfg.schedule_every or max(1, -(-cfg.steps // n_stages))
+    schedule = make_schedule(cfg.schedule, every, cfg.schedule_kind)
+    engine = HFEngine(model, pad_id)
+    data_rng = random.Random(cfg.seed)
+    sample_gen = torch.Generator().manual_seed(cfg.seed)
+    start = 1
+    if ckpt:
+        st = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        for k, o in optims.items():
+            o.load_state_dict(st["optims"][k])
+        if critic is not None:
+            critic.load_state_dict(st["critic"])
+        schedule.load_state_dict(st["schedule"])
+        data_rng.setstate(st["data_rng"])
+        sample_gen.set_state(st["sample_gen"])
+        torch.set_rng_state(st["torch_rng"])
+        start = st["step"] + 1
+        _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), st["step"])
+    n = cfg.batch_size * cfg.group_size
+    pool = EnvPool(url, n)
+    rcfg = RolloutConfig(max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                         temperature=cfg.temperature, top_p=cfg.top_p)
+    summary: dict = {}
+    bar = tqdm(range(start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}", initial=start - 1, total=cfg.steps,
+               dynamic_ncols=True)
+    try:
+        for step in bar:
+            # -------- rollout
+            K = schedule.max_turns(step)
+            rcfg.max_turns = K
+            chosen = data_rng.sample(train_ids, min(cfg.batch_size, len(train_ids)))
+            item_ids = [t for t in chosen for _ in range(cfg.group_size)]
+            groups = [g for g in range(len(chosen)) for _ in range(cfg.group_size)]
+            item_ids += [chosen[0]] * (n - len(item_ids))  # fewer tasks than batch_size: pad the pool
+            groups += [groups[-1]] * (n - len(groups))
+            t0 = time.time()
+            trajs = rollout(engine, fmt, pool, cfg.env, item_ids, groups, rcfg, sample_gen)
+            time_rollout = time.time() - t0
+            write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, trajs)
+            kept = [t for t in trajs if t.status != "env_error"]  # infrastructure failures are not rewards
+            m = rollout_metrics(trajs, kept, K, time_rollout)
+            schedule.observe(step, m["success_rate"])
+
+            # -------- advantages and update
+            t1 = time.time()
+            if kept:
+                m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
+            m["time_update_s"] = time.time() - t1
+            m["step"] = step
+            with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(m) + "\n")
+            bar.set_postfix(K=K, reward=f"{m['reward_mean']:.2f}", success=f"{m['success_rate']:.2f}")
+            summary = m
+
+            # -------- checkpoint
+            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                state = {"step": step, "schedule": schedule.state_dict(), "data_rng": data_rng.getstate(),
+                         "sample_gen": sample_gen.get_state(), "torch_rng": torch.get_rng_state(),
+                         "config": dataclasses.asdict(cfg)}
+                save_checkpoint(cfg.out, model, tokenizer, critic, optims, state)
+    finally:
+        pool.close()
+    return summary
+
+
+def rollout_metrics(trajs, kept, K: int, time_rollout: float) -> dict:
+    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
+    n = max(1, len(kept))
+    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
+            "success_rate": sum(t.status == "done" and t.reward > 0 for t in kept) / n,
+            "turns_mean": sum(t.turns for t in kept) / n, **{f"status_{k}": v for k, v in statuses.items()},
+            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
+            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
+
+
+def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, device) -> dict:
+    batch = {k: v.to(device) for k, v in build_batch(trajs, pad_id).items()}
+    sh = shifted(batch)
+    mask = sh["mask"]  # (B, T-1)
+    B = mask.shape[0]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    rows = lambda idx: {k: batch[k][idx] for k in ("input_ids", "attention_mask", "position_ids")}  # noqa: E731
+
+    # -------- advantages (B, T-1), on sampled tokens only
+    token_rewards = algos.token_rewards_from_outcome(batch["rewards"], mask)
+    values = None
+    if cfg.algo == "grpo":
+        adv = algos.grpo_advantages(batch["rewards"], batch["group_ids"])[:, None] * mask
+    elif cfg.algo == "rloo":
+        adv = algos.rloo_advantages(batch["rewards"], batch["group_ids"])[:, None] * mask
+    elif cfg.algo == "reinforce_pp":
+        adv = algos.reinforce_pp_advantages(token_rewards, mask, cfg.gamma)
+    else:
+        with torch.no_grad():
+            values = torch.zeros_like(mask)
+            for idx in length_buckets(lengths, cfg.micro_batch_tokens):
+                values[idx] = critic(**rows(idx))[:, :-1]  # V of the prefix that produced token t+1
+        adv, returns = algos.gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+    ref_lp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_lp = torch.zeros_like(mask)
+            for idx in length_buckets(lengths, cfg.micro_batch_tokens):
+                ref_lp[idx] = token_logprobs(ref, rows(idx), cfg.temperature)[0]
+
+    # -------- clipped policy-gradient epochs over mini-batches, micro-batched by length
+    stats: dict[str, list[float]] = {}
+    mbs = cfg.mini_batch_size or B
+    padded = real = 0
+    for epoch in range(cfg.ppo_epochs):
+        perm = torch.randperm(B).tolist()
+        for s in range(0, B, mbs):
+            mini = perm[s:s + mbs]
+            mini_mask = mask[mini]
+            for o in optims.values():
+                o.zero_grad(set_to_none=True)
+            for idx_local in length_buckets([lengths[i] for i in mini], cfg.micro_batch_tokens):
+                idx = [mini[i] for i in idx_local]
+                mb = rows(idx)
+                T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
+                mb = {k: v[:, :T] for k, v in mb.items()}
+                mb_mask, w = mask[idx, :T - 1], micro_weight(mask[idx], mini_mask, cfg.loss_agg)
+                padded, real = padded + len(idx) * T, real + sum(lengths[i] for i in idx)
+                lp, ent = token_logprobs(model, mb, cfg.temperature, with_entropy=True)
+                old = sh["old_logprobs"][idx, :T - 1]
+                loss, pst = algos.policy_loss(lp, old, adv[idx, :T - 1], mb_mask, cfg.clip_low, cfg.clip_high,
+                                              cfg.dual_clip, cfg.loss_agg)
+                entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
+                loss = loss - cfg.entropy_coef * entropy
+                kl = torch.zeros(())
+                if ref_lp is not None:
+                    kl = algos.agg_loss(algos.kl_penalty(lp, ref_lp[idx, :T - 1], cfg.kl_kind), mb_mask, cfg.loss_agg)
+                    loss = loss + cfg.kl_coef * kl
+                if critic is not None:
+                    v = critic(**mb)[:, :-1]
+                    vloss, _ = algos.value_loss(v, values[idx, :T - 1], returns[idx, :T - 1], mb_mask,
+                                                cfg.value_clip, cfg.loss_agg)
+                    (w * vloss).backward()
+                    stats.setdefault("value_loss", []).append(float(vloss.detach()))
+                (w * loss).backward()
+                if epoch == 0:  # before any update: how far the trainer's log-probs are from the sampler's
+                    diff = algos.masked_mean((lp.detach() - old).abs(), mb_mask)
+                    stats.setdefault("logprob_diff", []).append(float(diff))
+                for k, val in (("loss", float(loss.detach())), ("entropy", float(entropy.detach())), ("kl", float(kl.detach())),
+                               ("clip_frac", pst["clip_frac"]), ("approx_kl", pst["approx_kl"])):
+                    stats.setdefault(k, []).append(val)
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            stats.setdefault("grad_norm", []).append(float(gn))
+            if critic is not None:
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+            for o in optims.values():
+                o.step()
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    out["padding_share"] = 1 - real / max(padded, 1)
+    out["train_tokens"] = real
+    return out
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Drop metric lines past the checkpoint (written after it, before an interruption)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [x for x in f if x.strip() and json.loads(x)["step"] <= last_step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+if __name__ == "__main__":
+    summary = main(parse_args())
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))

@@ -103,3 +103,37 @@ def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
     r = [x["reward_mean"] for x in metrics(tmp_path / algo)]
     first, last = sum(r[:8]) / 8, sum(r[-8:]) / 8
     assert last > first + 0.15, r
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
+    """Splitting a mini-batch into micro-batches (any aggregation mode) gives the same update."""
+    import copy
+
+    import torch
+
+    from env_server.app import serve_in_thread
+    from env_server.corridor import CorridorEnv
+    from env_client import EnvPool
+    from rollout import ChatFormat, HFEngine, RolloutConfig, rollout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = train.parse_args([*TINY, "--cache-dir", cache_dir])
+    path = train.tiny_model_path(cfg)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    url, stop = serve_in_thread(CorridorEnv)
+    with EnvPool(url, 6) as pool:
+        trajs = rollout(HFEngine(model, tok.pad_token_id), ChatFormat(tok), pool, "corridor", [0, 0, 1, 1, 2, 2],
+                        [0, 0, 1, 1, 2, 2], RolloutConfig(max_turns=3, max_new_tokens=5), torch.Generator().manual_seed(1))
+    stop()
+    trajs[0].reward = trajs[3].reward = 1.0  # make the advantages non-zero
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        results = []
+        for micro in (100_000, 1):  # one micro-batch / one row per micro-batch
+            c = train.parse_args([*TINY, "--loss-agg", mode, "--micro-batch-tokens", str(micro)])
+            m = copy.deepcopy(model)
+            train.update(c, m, None, None, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, trajs,
+                         tok.pad_token_id, torch.device("cpu"))
+            results.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert (results[0] - before).abs().max() > 1e-6
+        assert torch.allclose(results[0], results[1], atol=1e-6), mode

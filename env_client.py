@@ -122,22 +122,35 @@ class Transport:
         # closes them, so that a `step` never goes out on a connection the server already dropped.
         self.max_idle_s = max_idle_s
         self._local = threading.local()
+        self._all: set = set()  # every open connection, so that close() reaches other threads' too
+        self._all_lock = threading.Lock()
 
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
         if c is not None and time.monotonic() - self._local.used > self.max_idle_s:
-            c.close()
+            self._drop()
             c = None
         if c is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
             c = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
+            with self._all_lock:
+                self._all.add(c)
         return c
 
     def _drop(self) -> None:
         c = getattr(self._local, "conn", None)
         if c is not None:
             c.close()
+            with self._all_lock:
+                self._all.discard(c)
         self._local.conn = None
+
+    def close(self) -> None:
+        """Close every keep-alive connection (of all threads); later requests open new ones."""
+        with self._all_lock:
+            conns, self._all = self._all, set()
+        for c in conns:
+            c.close()
 
     def request(self, method: str, path: str, payload=None, retry: bool = False):
         """Send one request; return the decoded JSON answer or raise EnvError."""
@@ -357,6 +370,7 @@ class EnvPool:
         self._map(lambda c: c.close(), live)
         self.clients = [None] * self.size
         self.executor.shutdown(wait=False)
+        self.http.close()
 
     def __enter__(self):
         return self

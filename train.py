@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import algos
-from env_client import EnvClient, EnvPool
+from env_client import EnvPool, Transport
 from rollout import ChatFormat, HFEngine, RolloutConfig, build_batch, length_buckets, rollout, write_log
 from scheduler import make_schedule
 
@@ -237,7 +237,7 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
-    tasks = EnvClient(url).http.request("GET", "/tasks", retry=True)
+    tasks = Transport(url).request("GET", "/tasks", retry=True)
     train_ids = tasks["splits"]["train"]
     init_path = cfg.model or tiny_model_path(cfg)  # the initial policy: also the KL reference
     model_path = os.path.join(ckpt, "model") if ckpt else init_path

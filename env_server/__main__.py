@@ -15,7 +15,8 @@ def main(argv=None) -> None:
     p.add_argument("name", choices=sorted(ENVS), help="which environment to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=36001, help="port (0 picks a free one and prints it)")
-    p.add_argument("--threads", type=int, default=16, help="worker threads serving requests")
+    p.add_argument("--threads", type=int, default=4,
+                   help="worker threads serving requests (more for games that wait on I/O or a JVM)")
     p.add_argument("--max-instances", type=int, default=1024, help="cap on live instances (503 past it)")
     p.add_argument("--idle-timeout", type=float, default=900.0,
                    help="close instances idle for this many seconds (0: never)")

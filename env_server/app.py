@@ -27,8 +27,11 @@ import json
 import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 from flask import Flask, Response, request
@@ -360,16 +363,24 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
 
 # ---------------------------------------------------------------- serving
-def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 16, **kw):
+def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 4, **kw):
     """A waitress server (production-grade, threaded, pure Python) for `app`; `port=0` picks a free port
-    (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop."""
+    (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop.
+
+    Tuned for many small JSON requests (measured with bench/env_throughput.py, +20% single-step
+    steps/s): responses are buffered whole and sent by the I/O loop in one write (`send_bytes`) instead
+    of one send per header and body from the worker thread; poll() instead of select(); and few worker
+    threads, since game steps hold the GIL (raise --threads for games that wait on I/O or a JVM).
+    """
     from waitress.server import create_server
 
     # waitress warns "Task queue depth is N" whenever requests wait for a thread: normal under load.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    return create_server(app, host=host, port=port, threads=threads,
-                         connection_limit=kw.pop("connection_limit", 2048),
-                         channel_timeout=kw.pop("channel_timeout", 300), ident="env_server", **kw)
+    opts = {"connection_limit": 2048, "channel_timeout": 300, "send_bytes": 1 << 16, "asyncore_use_poll": True,
+            "ident": "env_server", **kw}
+    with warnings.catch_warnings():  # waitress 3.0 marks send_bytes deprecated; requirements pin 3.0.2
+        warnings.filterwarnings("ignore", message="send_bytes", category=DeprecationWarning)
+        return create_server(app, host=host, port=port, threads=threads, **opts)
 
 
 def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
@@ -417,8 +428,6 @@ class ServerProcess:
 
     def __init__(self, name: str, *args: str, host: str = "127.0.0.1", start_timeout_s: float = 60.0,
                  env: dict | None = None):
-        import subprocess
-        import sys
 
         cmd = [sys.executable, "-m", "env_server", name, "--host", host, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -449,9 +458,11 @@ class ServerProcess:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            pipe.close()
 
     def __enter__(self):
         return self

@@ -13,7 +13,7 @@ from conftest import ROOT, raw
 from env_client import EnvClient, EnvError, EnvPool
 from env_server.app import ServerProcess
 
-ENVS = ["textcraft"]  # babyai joins when its module lands
+ENVS = ["textcraft", "babyai"]
 TURN_BUDGET = {"textcraft": 30, "babyai": 64}
 
 
@@ -51,12 +51,13 @@ def test_every_endpoint(server):
     assert status == 200 and isinstance(acts, list)
     status, d = raw(url, "GET", f"/detail?id={iid}")
     assert status == 200 and d["task"] == task and d["done"] is False
+    status, s = raw(url, "POST", "/step", {"id": iid, "action": "dance wildly"})
+    assert status == 200 and isinstance(s["observation"], str)  # a bad action is a game event, not an error
+    assert s["done"] is False and s["reward"] == 0
     status, a = raw(url, "GET", f"/expert_action?id={iid}")
     assert status == 200 and isinstance(a, str) and a
     status, s = raw(url, "POST", "/step", {"id": iid, "action": a})
     assert status == 200 and set(s) >= {"observation", "reward", "score", "done"}
-    status, s = raw(url, "POST", "/step", {"id": iid, "action": "dance wildly"})
-    assert status == 200 and isinstance(s["observation"], str)  # a bad action is a game event, not an error
     assert raw(url, "POST", "/close", {"id": iid}) == (200, True)
 
 

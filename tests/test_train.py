@@ -51,7 +51,8 @@ def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     if algo == "ppo":
         assert "value_loss" in m[-1]
     for step in (1, 2):
-        rows = [json.loads(x) for x in open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl"))]
+        with open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl")) as f:
+            rows = [json.loads(x) for x in f]
         assert len(rows) == 4 and all(r["status"] in ("done", "max_turns") for r in rows)
     assert os.path.exists(os.path.join(out, "checkpoint", "model", "config.json"))
     assert os.path.exists(os.path.join(out, "checkpoint", "trainer_state.pt"))

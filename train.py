@@ -87,20 +87,30 @@ class Config:
                          "where the built-in tiny model is built once")
 
 
-def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
+def config_parser(cls, description: str) -> argparse.ArgumentParser:
+    """An argparse parser with one `--dashed-flag` per field of the config dataclass `cls`, its default,
+    type, choices and one-line help; bool fields become switches. train.py, sft.py and eval.py share it."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        flag, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
         if f.type in ("bool", bool):
             p.add_argument(flag, action="store_true", help=meta["help"])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         p.add_argument(flag, type=kind, default=f.default, help=meta["help"], choices=meta.get("choices"))
-    cfg = Config(**vars(p.parse_args(argv)))
-    for name in ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens"):
+    return p
+
+
+def check_positive(p: argparse.ArgumentParser, cfg, names) -> None:
+    for name in names:
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def parse_args(argv=None) -> Config:
+    p = config_parser(Config, __doc__)
+    cfg = Config(**vars(p.parse_args(argv)))
+    check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens"))
     if cfg.mini_batch_size is not None and not 1 <= cfg.mini_batch_size:
         p.error("--mini-batch-size must be at least 1")
     if cfg.dual_clip is not None and cfg.dual_clip <= 1:

@@ -1,0 +1,124 @@
+"""Training curves of one or more runs: success rate and mean reward against step, horizon stages shaded.
+
+    python plot.py runs/textcraft__grpo__0__A runs/textcraft__grpo__0__B --out curves.png --labels K=10,K=10-30
+
+Reads RUN_DIR/metrics.jsonl (one line per step, as train.py writes it) and RUN_DIR/config.json (the
+label env/algo/schedule when --labels is absent). The turn horizon K of every step is read from the
+`max_turns` column, so the shaded stages are the horizons actually used (a plateau schedule included):
+light background bands labelled K=.. for the first run with more than one stage, and dotted vertical
+lines in its colour where another run's horizon changes at different steps. Raw values are drawn faint,
+a trailing moving average over --smooth steps solid. Matplotlib with the Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def read_run(run_dir: str) -> dict:
+    """{"steps", "success_rate", "reward_mean", "max_turns", "config"} of one run folder."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{run_dir}: no metrics.jsonl in this folder (is it a train.py run folder?)")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{run_dir}: metrics.jsonl is empty (the run has not finished a step yet)")
+    rows.sort(key=lambda r: r["step"])
+    config = {}
+    if os.path.isfile(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    return {"steps": [r["step"] for r in rows], "success_rate": [r["success_rate"] for r in rows],
+            "reward_mean": [r["reward_mean"] for r in rows], "max_turns": [r["max_turns"] for r in rows],
+            "config": config}
+
+
+def stages(steps: list[int], max_turns: list[int]) -> list[tuple[int, int, int]]:
+    """(first step, last step, K) of each run of equal horizons, like scheduler.stage_bounds."""
+    out: list[tuple[int, int, int]] = []
+    for s, k in zip(steps, max_turns):
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], s, k)
+        else:
+            out.append((s, s, k))
+    return out
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average; the first points average what exists so far."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def label_of(run_dir: str, config: dict) -> str:
+    if not config:
+        return os.path.basename(os.path.normpath(run_dir))
+    return f"{config.get('env', '?')} {config.get('algo', '?')} K={config.get('schedule', '?')}"
+
+
+def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | None = None) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_run(d) for d in run_dirs]
+    labels = labels or [label_of(d, r["config"]) for d, r in zip(run_dirs, runs)]
+    assert len(labels) == len(runs), f"{len(labels)} labels for {len(runs)} runs"
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    run_stages = [stages(r["steps"], r["max_turns"]) for r in runs]
+    shaded = next((i for i, st in enumerate(run_stages) if len(st) > 1), 0)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, key, title in zip(axes, ("success_rate", "reward_mean"), ("success rate", "mean reward")):
+        # Stage bands of one run: half a step either side, so that adjacent bands meet.
+        for j, (a, b, k) in enumerate(run_stages[shaded]):
+            ax.axvspan(a - 0.5, b + 0.5, color=("#e8eef7" if j % 2 == 0 else "#f5efe6"), zorder=0)
+            ax.text((a + b) / 2, 1.0, f"K={k}", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+                    fontsize=8, color="0.35")
+        for i, (r, name) in enumerate(zip(runs, labels)):
+            c = colors[i % len(colors)]
+            if i != shaded and run_stages[i] != run_stages[shaded]:
+                for a, _b, _k in run_stages[i][1:]:
+                    ax.axvline(a - 0.5, color=c, linestyle=":", linewidth=1)
+            ax.plot(r["steps"], r[key], color=c, alpha=0.25, linewidth=1)
+            ax.plot(r["steps"], smooth(r[key], window), color=c, linewidth=2, label=name)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders, each with metrics.jsonl")
+    p.add_argument("--out", default="curves.png", help="image file to write")
+    p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+    a = p.parse_args(argv)
+    labels = a.labels.split(",") if a.labels else None
+    if labels is not None and len(labels) != len(a.runs):
+        p.error(f"--labels has {len(labels)} names for {len(a.runs)} runs")
+    if a.smooth < 1:
+        p.error("--smooth must be at least 1")
+    try:
+        out = plot(a.runs, a.out, a.smooth, labels)
+    except ValueError as e:
+        sys.exit(f"plot.py: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

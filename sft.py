@@ -1,0 +1,452 @@
+"""The seed framework's other training paradigms, on the same token path as the RL rollouts.
+
+    python sft.py --env textcraft --out runs/sft-textcraft --noise 0.2 --epochs 3   # SFT warm start
+    python sft.py --env corridor --out runs/evol --mode agentevol --iterations 2    # AgentEvol
+    python sft.py --env textcraft --out runs/dpo --mode dpo --from-log runs/x/rollouts  # multi-turn DPO
+
+- SFT (behavioural cloning, AgentGym's "AgentTraj" warm start): cross-entropy on the assistant tokens of
+  expert trajectories, token mean over loss_mask = 1, nothing learned from observation tokens.
+- AgentEvol (Xi et al. 2024, "AgentGym"): sample on training tasks with the current model, keep the
+  successful trajectories, fine-tune on them plus all earlier data, repeat.
+- DPO (Rafailov et al. 2023), multi-turn: a trajectory's log-prob is the sum over its assistant tokens;
+  pairs are a success against a failure on the same task.
+
+Expert trajectories are built exactly as rollout.rollout() builds a row: prompt ids of the opening
+messages, then each reply's ids + the end-of-turn token (loss mask 1), then the observation turn's ids
+from ChatFormat.observation_ids (loss mask 0). So a warm-started model is trained on the very token
+boundaries it will later sample on.
+
+Departures, and why:
+1. AgentEvol fine-tunes the current model each iteration (the paper restarts from the base model on the
+   merged data); continuing is cheaper and, on the small data here, reaches the same place.
+2. Expert noise (`--noise p`) swaps the expert's action for a plausible wrong one with probability p, so
+   the warm start is deliberately imperfect and RL has something left to fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from env_client import EnvPool, parse_action
+from rollout import (ChatFormat, HFEngine, RolloutConfig, Trajectory, build_batch, length_buckets, opening_messages,
+                     react_reply, rollout)
+from train import arg, check_positive, config_parser, token_logprobs
+
+
+def is_success(t: Trajectory) -> bool:
+    return t.status == "done" and t.reward > 0
+
+
+# ---------------------------------------------------------------- expert data
+def wrong_action(env, first_observation: str, expert: str, rng: random.Random) -> str | None:
+    """A plausible but wrong action: another concrete action the env lists, a crafting command from the
+    task's own list (TextCraft), or `inventory`. None when there is nothing else to say."""
+    listed = [a for a in env.available_actions() if " N " not in f" {a} "]  # drop templates ("get N item")
+    crafts = [ln.strip() for ln in first_observation.splitlines() if ln.startswith("craft ")]
+    extra = ["inventory"] if getattr(env, "name", "") == "textcraft" else []
+    candidates = sorted({a for a in listed + crafts + extra if a != expert})
+    return rng.choice(candidates) if candidates else None
+
+
+def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
+                        max_turns: int = 30) -> list[Trajectory]:
+    """Play each task in-process with the env's expert; one Trajectory per task, built like rollout()'s.
+
+    The reply text is rollout.react_reply(action); its ids are fmt.encode(reply) + [eot] (loss mask 1),
+    the observation's are fmt.observation_ids(obs, reply_ended=True) (loss mask 0). Status and reward as
+    in rollout(): `done` with the step's reward, else `max_turns`; the observation after the last turn
+    goes into the messages but not into the row.
+    """
+    from env_server import get_env_class
+
+    assert 0.0 <= noise <= 1.0, f"noise is a probability, got {noise}"
+    env_cls = get_env_class(env_name)
+    world = env_cls.load_world(None)
+    rng = random.Random(seed)
+    trajs = []
+    for group, item in enumerate(item_ids):
+        env = env_cls(world)
+        try:
+            first = env.reset(item)
+            t = Trajectory(env_name, item, group, opening_messages(env_name, first), [], [], [])
+            t.token_ids = fmt.prompt_ids(t.messages)
+            t.n_prompt = len(t.token_ids)
+            t.loss_mask, t.logprobs = [0] * t.n_prompt, [0.0] * t.n_prompt
+            while True:
+                action = env.expert_action()
+                if action is None:  # the expert has nothing to say: the episode cannot go on
+                    t.status = "max_turns"
+                    break
+                if noise > 0 and rng.random() < noise:
+                    action = wrong_action(env, first, action, rng) or action
+                reply = react_reply(env_name, action)
+                reply_ids = fmt.encode(reply) + [fmt.eot_id]
+                t.token_ids += reply_ids
+                t.loss_mask += [1] * len(reply_ids)
+                t.logprobs += [0.0] * len(reply_ids)  # not sampled: no sampler log-prob
+                t.turns += 1
+                t.messages.append({"role": "assistant", "content": reply})
+                parsed = parse_action(env_name, reply)  # the env sees what the parser makes of the reply
+                r = env.step(parsed.action)
+                t.messages.append({"role": "user", "content": r.observation})
+                t.reward = r.reward
+                if r.done:
+                    t.status = "done"
+                    break
+                if t.turns >= max_turns:
+                    t.status = "max_turns"
+                    break
+                obs_ids = fmt.observation_ids(r.observation, reply_ended=True)
+                t.token_ids += obs_ids
+                t.loss_mask += [0] * len(obs_ids)
+                t.logprobs += [0.0] * len(obs_ids)
+        finally:
+            env.close()
+        trajs.append(t)
+    return trajs
+
+
+def load_log(path: str, successful_only: bool = False) -> list[Trajectory]:
+    """Trajectories from a trajectory log: one rollouts/step_*.jsonl file, or a folder of them (a run
+    folder works too: its rollouts/ is searched). Env errors are dropped (they hold no row)."""
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "step_*.jsonl")) or
+                       glob.glob(os.path.join(path, "rollouts", "step_*.jsonl")))
+        if not files:
+            raise FileNotFoundError(f"no step_*.jsonl trajectory logs in {path} (nor in {path}/rollouts)")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"trajectory log {path} does not exist")
+    names = {f.name for f in dataclasses.fields(Trajectory)}
+    trajs = []
+    for name in files:
+        with open(name, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    t = Trajectory(**{k: v for k, v in row.items() if k in names})
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{name}:{n}: not a trajectory log row ({e})") from e
+                if t.status == "env_error" or not t.token_ids:
+                    continue
+                if len(t.loss_mask) != len(t.token_ids):
+                    raise ValueError(f"{name}:{n}: loss_mask and token_ids differ in length")
+                if successful_only and not is_success(t):
+                    continue
+                trajs.append(t)
+    return trajs
+
+
+# ---------------------------------------------------------------- SFT
+def _rows(batch: dict, idx: list[int], device) -> dict:
+    T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the micro-batch's padding
+    return {k: batch[k][idx, :T].to(device) for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")}
+
+
+def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: float = 1e-4,
+        micro_batch_tokens: int = 8192, batch_size: int = 16, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
+        seed: int = 0, progress: bool = True) -> list[float]:
+    """Supervised fine-tuning: token-mean cross-entropy over the loss_mask = 1 tokens (the replies and
+    their end-of-turn tokens), AdamW, `batch_size` trajectories per optimizer step, micro-batched by
+    length. Returns the mean loss of each epoch (measured on the fly, before each step's update)."""
+    assert trajectories, "sft needs at least one trajectory"
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = build_batch(trajectories, pad_id)
+    mask = batch["loss_mask"][:, 1:]  # (B, T-1): token t+1 is predicted from the logits at t
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    rng = random.Random(seed)
+    model.train()
+    B = len(trajectories)
+    losses = []
+    bar = tqdm(range(epochs), desc="sft", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        perm = list(range(B))
+        rng.shuffle(perm)
+        nll_sum, tok_sum = 0.0, 0.0
+        for s in range(0, B, batch_size):
+            mini = perm[s:s + batch_size]
+            n_tokens = float(mask[mini].sum().clamp(min=1))
+            opt.zero_grad(set_to_none=True)
+            for idx_local in length_buckets([lengths[i] for i in mini], micro_batch_tokens):
+                idx = [mini[i] for i in idx_local]
+                mb = _rows(batch, idx, device)
+                lp, _ = token_logprobs(model, mb, temperature=1.0)  # (b, T-1)
+                m = mb["loss_mask"][:, 1:]
+                nll = -(torch.where(m > 0, lp, 0.0)).sum()
+                (nll / n_tokens).backward()  # micro-batches add up to the mini-batch's token mean
+                nll_sum, tok_sum = nll_sum + float(nll.detach()), tok_sum + float(m.sum())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+        losses.append(nll_sum / max(tok_sum, 1.0))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
+# ---------------------------------------------------------------- AgentEvol
+def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rcfg: RolloutConfig,
+         generator: torch.Generator | None = None, pool_size: int = 64) -> list[Trajectory]:
+    """rollout() over `item_ids` in chunks of at most `pool_size` env instances."""
+    fmt = ChatFormat(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.eot_id
+    engine = HFEngine(model, pad_id)
+    out = []
+    for s in range(0, len(item_ids), pool_size):
+        chunk = item_ids[s:s + pool_size]
+        with EnvPool(env_addr, len(chunk)) as pool:
+            out += rollout(engine, fmt, pool, env_name, chunk, list(range(s, s + len(chunk))), rcfg, generator)
+    return out
+
+
+def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[int], iterations: int = 2,
+               samples_per_task: int = 2, data: list[Trajectory] | None = None, epochs: int = 1, lr: float = 1e-4,
+               max_turns: int = 10, max_new_tokens: int = 48, temperature: float = 1.0,
+               micro_batch_tokens: int = 8192, seed: int = 0, progress: bool = True) -> list[float]:
+    """AgentEvol: each iteration samples `samples_per_task` trajectories per training task with the
+    current model, keeps the successes (status done, reward > 0), and fine-tunes on them plus all earlier
+    data (`data`: e.g. the expert trajectories of the warm start). Returns each iteration's success rate
+    (over trajectories without env errors), measured before that iteration's fine-tuning."""
+    data = list(data or [])
+    rcfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature)
+    gen = torch.Generator().manual_seed(seed)
+    rates = []
+    for it in range(iterations):
+        items = [i for i in train_ids for _ in range(samples_per_task)]
+        trajs = [t for t in play(model, tokenizer, env_addr, env_name, items, rcfg, gen) if t.status != "env_error"]
+        wins = [t for t in trajs if is_success(t)]
+        rates.append(len(wins) / max(1, len(trajs)))
+        data += wins
+        if progress:
+            print(f"agentevol iteration {it + 1}/{iterations}: success {rates[-1]:.3f}, {len(data)} trajectories")
+        if data:
+            sft(model, tokenizer, data, epochs=epochs, lr=lr, micro_batch_tokens=micro_batch_tokens, seed=seed + it,
+                progress=progress)
+    return rates
+
+
+# ---------------------------------------------------------------- DPO
+def make_pairs(trajectories: list[Trajectory], seed: int = 0) -> list[tuple[Trajectory, Trajectory]]:
+    """(chosen, rejected) pairs within each item_id: a success against a failure. Every success and every
+    failure of a task is used at least once (the shorter list is cycled). Env errors are never used."""
+    rng = random.Random(seed)
+    by_item: dict[int, tuple[list, list]] = {}
+    for t in trajectories:
+        if t.status == "env_error":
+            continue
+        by_item.setdefault(t.item_id, ([], []))[0 if is_success(t) else 1].append(t)
+    pairs = []
+    for item in sorted(by_item):
+        wins, losses = by_item[item]
+        if not wins or not losses:
+            continue
+        rng.shuffle(wins)
+        rng.shuffle(losses)
+        pairs += [(wins[i % len(wins)], losses[i % len(losses)]) for i in range(max(len(wins), len(losses)))]
+    return pairs
+
+
+def sequence_logprobs(model, batch: dict, idx: list[int], device) -> torch.Tensor:
+    """log pi(trajectory) = sum of the log-probs of its loss_mask = 1 tokens, for rows idx: (b,)."""
+    mb = _rows(batch, idx, device)
+    lp, _ = token_logprobs(model, mb, temperature=1.0)  # (b, T-1)
+    return torch.where(mb["loss_mask"][:, 1:] > 0, lp, 0.0).sum(-1)
+
+
+def dpo_loss(pi_c, pi_r, ref_c, ref_r, beta: float) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), mean over pairs."""
+    return -torch.nn.functional.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))).mean()
+
+
+def dpo(model, ref_model, tokenizer, pairs: list[tuple[Trajectory, Trajectory]], beta: float = 0.1,
+        lr: float = 1e-5, epochs: int = 1, batch_size: int = 8, micro_batch_tokens: int = 8192,
+        max_grad_norm: float = 1.0, seed: int = 0, progress: bool = True) -> list[float]:
+    """Multi-turn DPO over (chosen, rejected) trajectory pairs; returns the loss of every optimizer step
+    (measured before its update). A micro-batch holds whole pairs, since the loss couples both rows."""
+    assert pairs, "dpo needs at least one (chosen, rejected) pair"
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [t for pair in pairs for t in pair]  # chosen of pair k at 2k, rejected at 2k+1
+    batch = build_batch(rows, pad_id)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    ref_model.eval()
+    with torch.no_grad():  # the reference never changes: score every row once
+        ref = torch.cat([sequence_logprobs(ref_model, batch, [2 * k, 2 * k + 1], device) for k in range(len(pairs))])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    model.train()
+    step_losses = []
+    bar = tqdm(total=epochs * -(-len(pairs) // batch_size), desc="dpo", disable=not progress, dynamic_ncols=True)
+    for _ in range(epochs):
+        perm = list(range(len(pairs)))
+        rng.shuffle(perm)
+        for s in range(0, len(pairs), batch_size):
+            mini = perm[s:s + batch_size]
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            pair_len = [max(lengths[2 * k], lengths[2 * k + 1]) for k in mini]
+            for idx_local in length_buckets(pair_len, max(1, micro_batch_tokens // 2)):
+                ks = [mini[i] for i in idx_local]
+                idx = [r for k in ks for r in (2 * k, 2 * k + 1)]
+                pi = sequence_logprobs(model, batch, idx, device)  # (2b,)
+                loss = dpo_loss(pi[0::2], pi[1::2], ref[idx][0::2].to(device), ref[idx][1::2].to(device), beta)
+                (loss * len(ks) / len(mini)).backward()
+                total += float(loss.detach()) * len(ks) / len(mini)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            step_losses.append(total)
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.4f}")
+    bar.close()
+    return step_losses
+
+
+# ---------------------------------------------------------------- command line
+@dataclass
+class Config:
+    env: str = arg("textcraft", "environment: textcraft, babyai, corridor")
+    mode: str = arg("sft", "training paradigm", choices=["sft", "agentevol", "dpo"])
+    model: str | None = arg(None, "HF model folder or hub name; absent: the built-in tiny model")
+    out: str | None = arg(None, "folder for the fine-tuned model (an HF folder: model + tokenizer)")
+    tasks: str = arg("train", "task ids: a split name (train, test), 'all', or ids such as 0,1,5-9")
+    from_log: str | None = arg(None, "train on a trajectory log (step_*.jsonl or a folder) instead of the expert")
+    success_only: bool = arg(False, "with --from-log in sft mode: keep only successful trajectories")
+    noise: float = arg(0.0, "probability of replacing an expert action by a plausible wrong one")
+    max_turns: int = arg(30, "turns per expert trajectory or sampled episode")
+    epochs: int = arg(3, "passes over the data (per iteration in agentevol)")
+    lr: float = arg(1e-3, "AdamW learning rate (~1e-5 for 3B-7B models; DPO wants less than SFT)")
+    batch_size: int = arg(16, "trajectories (DPO: pairs) per optimizer step")
+    micro_batch_tokens: int = arg(8192, "padded tokens per forward/backward pass")
+    iterations: int = arg(2, "agentevol: sample-filter-finetune rounds")
+    samples_per_task: int = arg(2, "agentevol/dpo: trajectories sampled per task")
+    max_new_tokens: int = arg(48, "agentevol/dpo: tokens per sampled turn")
+    temperature: float = arg(1.0, "agentevol/dpo: sampling temperature")
+    beta: float = arg(0.1, "dpo: inverse temperature of the implicit reward")
+    env_addr: str | None = arg(None, "agentevol/dpo: URL of a running env server; absent: start one")
+    seed: int = arg(0, "seed of noise, data order and sampling")
+    threads: int = arg(0, "CPU threads for torch (0: all cores but one)")
+    cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
+                         "where the built-in tiny model is built once")
+
+
+def parse_args(argv=None) -> Config:
+    p = config_parser(Config, __doc__)
+    cfg = Config(**vars(p.parse_args(argv)))
+    if not cfg.out:
+        p.error("--out is required: the folder the fine-tuned model is saved to")
+    check_positive(p, cfg, ("epochs", "batch_size", "micro_batch_tokens", "iterations", "samples_per_task",
+                            "max_turns", "max_new_tokens"))
+    if not 0.0 <= cfg.noise <= 1.0:
+        p.error(f"--noise must be a probability in [0, 1], got {cfg.noise}")
+    if cfg.from_log and not os.path.exists(cfg.from_log):
+        p.error(f"--from-log: {cfg.from_log} does not exist")
+    if cfg.model and os.path.sep in cfg.model and not os.path.isdir(cfg.model):
+        p.error(f"--model: {cfg.model} is not a folder")
+    from env_server import ENVS
+    if cfg.env not in ENVS:
+        p.error(f"--env: unknown environment {cfg.env!r}; choose from {sorted(ENVS)}")
+    try:
+        cfg_task_ids(cfg)
+    except ValueError as e:
+        p.error(f"--tasks: {e}")
+    return cfg
+
+
+def cfg_task_ids(cfg: Config) -> list[int]:
+    """--tasks as a list of ids, checked against the env's task count and splits."""
+    from env_server import get_env_class
+    env_cls = get_env_class(cfg.env)
+    world = env_cls.load_world(None)
+    n, splits = env_cls.num_tasks(world), env_cls.splits(world)
+    if cfg.tasks == "all":
+        return list(range(n))
+    if cfg.tasks in splits:
+        return list(splits[cfg.tasks])
+    ids = []
+    for part in cfg.tasks.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"{cfg.tasks!r} is not a split ({', '.join(sorted(splits))}), 'all' or ids like 0,3,5-9")
+        ids += list(range(int(lo), int(hi or lo) + 1))
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"task ids {bad[:5]} out of range 0..{n - 1} for {cfg.env}")
+    return ids
+
+
+def main(cfg: Config) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train import Config as TrainConfig, tiny_model_path
+
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.manual_seed(cfg.seed)
+    path = cfg.model or tiny_model_path(TrainConfig(env=cfg.env, cache_dir=cfg.cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).to("cuda" if torch.cuda.is_available() else "cpu")
+    fmt = ChatFormat(tokenizer)
+    ids = cfg_task_ids(cfg)
+    kw = dict(lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed)
+    if cfg.from_log:
+        data = load_log(cfg.from_log, successful_only=cfg.success_only and cfg.mode == "sft")
+        if not data:
+            sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
+    else:
+        data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns)
+    summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
+                     "expert_success": sum(map(is_success, data)) / len(data)}
+
+    server = None
+    if cfg.mode != "sft" and cfg.env_addr is None:
+        from env_server.app import ServerProcess
+        server = ServerProcess(cfg.env)
+    url = cfg.env_addr or (server.url if server else None)
+    try:
+        if cfg.mode == "sft":
+            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, **kw)
+        elif cfg.mode == "agentevol":  # behavioural cloning on the data first, then self-evolution
+            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, **kw)
+            summary["success_rate"] = agent_evol(
+                model, tokenizer, url, cfg.env, ids, cfg.iterations, cfg.samples_per_task, data, cfg.epochs,
+                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **kw)
+        else:
+            pool = data
+            if not cfg.from_log:  # the model's own samples as rejected, the expert's as chosen
+                rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature)
+                items = [i for i in ids for _ in range(cfg.samples_per_task)]
+                pool = data + play(model, tokenizer, url, cfg.env, items, rcfg, torch.Generator().manual_seed(cfg.seed))
+            pairs = make_pairs(pool, cfg.seed)
+            if not pairs:
+                sys.exit("dpo: no task has both a successful and a failed trajectory to pair")
+            ref = copy.deepcopy(model).eval()
+            summary["pairs"] = len(pairs)
+            summary["dpo_loss"] = dpo(model, ref, tokenizer, pairs, cfg.beta, epochs=cfg.epochs,
+                                      batch_size=cfg.batch_size, **kw)
+    finally:
+        if server is not None:
+            server.stop()
+    os.makedirs(cfg.out, exist_ok=True)
+    model.save_pretrained(cfg.out)
+    tokenizer.save_pretrained(cfg.out)
+    with open(os.path.join(cfg.out, "sft_summary.json"), "w") as f:
+        json.dump({"config": dataclasses.asdict(cfg), **summary}, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    out = main(parse_args())
+    print(json.dumps({k: ([round(x, 4) for x in v] if isinstance(v, list) else v) for k, v in out.items()}))

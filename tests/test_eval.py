@@ -1,0 +1,138 @@
+"""eval.py: Avg@n / Pass@n against hand counts, a checkpoint evaluated end to end as a subprocess, and the
+OpenAI-compatible endpoint path against a fake chat server (right answers, and HTTP 500 counted as errors)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from flask import Flask, jsonify
+
+import eval as ev
+from env_server.app import ServerProcess, serve_wsgi_in_thread
+
+
+def test_score_table_against_hand_count():
+    rows = [  # 3 tasks x 2 samples, two categories
+        (10, "a", 0, 1.0), (10, "a", 1, 0.0),  # mean 0.5, passed
+        (11, "a", 0, 0.0), (11, "a", 1, 0.0),  # mean 0,   failed
+        (20, "b", 0, 0.5), (20, "b", 1, 1.0),  # mean 0.75, passed
+    ]
+    t = ev.score_table(rows)
+    assert t["n"] == 2
+    assert t["overall"]["tasks"] == 3 and t["overall"]["samples"] == 6
+    assert t["overall"]["avg@2"] == pytest.approx((0.5 + 0.0 + 0.75) / 3)
+    assert t["overall"]["pass@2"] == pytest.approx(2 / 3)
+    assert t["by_category"]["a"]["avg@2"] == pytest.approx(0.25)
+    assert t["by_category"]["a"]["pass@2"] == pytest.approx(0.5)
+    assert t["by_category"]["b"] == {"tasks": 1, "samples": 2, "avg@2": pytest.approx(0.75), "pass@2": 1.0}
+
+
+def test_categories_come_from_the_env():
+    cats = ev.categories_for("corridor", [48, 50, 52, 54])
+    assert cats == {48: "distance_1", 50: "distance_2", 52: "distance_3", 54: "distance_1"}
+    assert ev.categories_for("webarena", [0, 1]) == {0: "all", 1: "all"}
+
+
+def test_greedy_forces_n_to_one(capsys):
+    cfg = ev.parse_args(["--env", "corridor", "--greedy", "--n", "4"])
+    assert cfg.n == 1 and cfg.temperature == 0.0
+    assert "n forced from 4 to 1" in capsys.readouterr().out
+
+
+def test_checkpoint_eval_matches_hand_count(tmp_path):
+    run, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    cmd = [sys.executable, "train.py", "--env", "corridor", "--steps", "1", "--batch-size", "2", "--group-size", "2",
+           "--max-new-tokens", "4", "--schedule", "3", "--threads", "1", "--out", run, "--cache-dir", cache]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res_path = os.path.join(run, "eval.json")
+    cmd = [sys.executable, "eval.py", "--env", "corridor", "--checkpoint", run, "--n", "2", "--limit", "4",
+           "--max-turns", "3", "--max-new-tokens", "4", "--threads", "1", "--cache-dir", cache, "--out", res_path]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "overall" in out.stdout and "avg@2" in out.stdout
+    res = json.load(open(res_path))
+    with open(os.path.join(run, "eval_rollouts.jsonl")) as f:
+        trajs = [json.loads(x) for x in f]
+    assert len(trajs) == 8 and all(t["status"] in ("done", "max_turns") for t in trajs)
+    assert all(t["turns"] <= 3 for t in trajs)
+    by_item: dict = {}
+    for t in trajs:
+        by_item.setdefault(t["item_id"], []).append(t["reward"])
+    assert sorted(by_item) == [48, 49, 50, 51] and all(len(s) == 2 for s in by_item.values())
+    avg = sum(sum(s) / 2 for s in by_item.values()) / 4
+    passed = sum(max(s) > 0 for s in by_item.values()) / 4
+    assert res["overall"]["avg@2"] == pytest.approx(avg)
+    assert res["overall"]["pass@2"] == pytest.approx(passed)
+    assert set(res["by_category"]) == {"distance_1", "distance_2"}  # tasks 48..51: distances 1, 1, 2, 2
+    assert res["statuses"]["done"] + res["statuses"]["max_turns"] == 8
+    assert res["excluded"] == {"env_error": 0, "endpoint_error": 0}
+    assert res["config"]["checkpoint"] == run
+
+
+def fake_chat_server(status: int = 200):
+    """An OpenAI-compatible /v1/chat/completions that always answers "Action: right" (or fails)."""
+    app = Flask("fake_chat")
+    seen = []
+
+    @app.post("/v1/chat/completions")
+    def chat():
+        from flask import request
+        body = request.get_json()
+        seen.append(body)
+        if status != 200:
+            return jsonify({"error": "boom"}), status
+        return jsonify({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Action: right"},
+                                     "finish_reason": "stop"}]})
+
+    url, stop = serve_wsgi_in_thread(app)
+    return url + "/v1", stop, seen
+
+
+@pytest.fixture(scope="module")
+def corridor_url():
+    with ServerProcess("corridor") as server:
+        yield server.url
+
+
+def test_endpoint_answering_right(tmp_path, corridor_url):
+    url, stop, seen = fake_chat_server()
+    try:
+        out = str(tmp_path / "ep.json")
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
+                                     "--endpoint-model", "fake", "--n", "2", "--limit", "6", "--max-turns", "3",
+                                     "--out", out]))
+    finally:
+        stop()
+    # Corridor task i: goal on the right iff i is even, at distance 1 + (i // 2) % 3 <= 3 = K.
+    scores = {t["item_id"]: t["scores"] for t in res["tasks"]}
+    assert sorted(scores) == list(range(48, 54))
+    for item, s in scores.items():
+        assert s == ([1.0, 1.0] if item % 2 == 0 else [0.0, 0.0]), item
+    assert res["statuses"] == {"done": 6, "max_turns": 6, "context_limit": 0, "env_error": 0}
+    assert res["overall"]["avg@2"] == pytest.approx(0.5) and res["overall"]["pass@2"] == pytest.approx(0.5)
+    # The same messages as training: instruction, acknowledgement, first observation, then the dialogue.
+    first = seen[0]
+    assert first["model"] == "fake" and first["messages"][0]["content"] == ev.opening_messages("corridor", "x")[0]["content"]
+    assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user"]
+    with open(tmp_path / "eval_rollouts.jsonl") as f:
+        trajs = [json.loads(x) for x in f]
+    assert len(trajs) == 12 and all(t["messages"][3]["content"] == "Action: right" for t in trajs)
+
+
+def test_endpoint_http_500_is_an_error_not_a_zero(tmp_path, corridor_url):
+    url, stop, seen = fake_chat_server(status=500)
+    try:
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
+                                     "--endpoint-model", "fake", "--n", "2", "--limit", "2", "--max-turns", "3",
+                                     "--endpoint-retries", "1", "--out", str(tmp_path / "ep.json")]))
+    finally:
+        stop()
+    assert res["excluded"] == {"env_error": 0, "endpoint_error": 4}
+    assert res["statuses"]["env_error"] == 4 and res["statuses"]["done"] == res["statuses"]["max_turns"] == 0
+    assert res["overall"]["tasks"] == 0 and res["overall"]["samples"] == 0  # nothing scored, not scored 0
+    assert all(t["scores"] == [] and t["errors"] == 2 for t in res["tasks"])
+    assert len(seen) == 4 * 2  # each request tried once more, then counted

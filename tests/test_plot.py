@@ -1,0 +1,50 @@
+"""plot.py: two runs (one fixed horizon, one with stages K=2 then K=4) make a PNG; stages are read off the
+max_turns column; a folder without metrics names itself in the error."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+import plot
+
+
+def write_run(folder, max_turns, schedule):
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step, k in enumerate(max_turns, start=1):
+            f.write(json.dumps({"step": step, "max_turns": k, "success_rate": step / len(max_turns),
+                                "reward_mean": 0.5 * step / len(max_turns)}) + "\n")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"env": "corridor", "algo": "grpo", "schedule": schedule}, f)
+
+
+def test_two_runs_make_a_png(tmp_path):
+    write_run(tmp_path / "fixed", [4] * 8, "4")
+    write_run(tmp_path / "staged", [2] * 4 + [4] * 4, "2,4")
+    out = tmp_path / "curves.png"
+    res = subprocess.run([sys.executable, "plot.py", str(tmp_path / "fixed"), str(tmp_path / "staged"), "--out",
+                          str(out), "--smooth", "3", "--labels", "fixed,staged"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = out.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stages_and_smoothing():
+    assert plot.stages([1, 2, 3, 4, 5], [2, 2, 4, 4, 4]) == [(1, 2, 2), (3, 5, 4)]
+    assert plot.smooth([0, 3, 6, 9], 2) == [0, 1.5, 4.5, 7.5]
+
+
+def test_missing_or_empty_metrics_names_the_folder(tmp_path):
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and str(empty) in res.stderr and "metrics.jsonl" in res.stderr
+    (empty / "metrics.jsonl").write_text("")
+    res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and str(empty) in res.stderr and "empty" in res.stderr

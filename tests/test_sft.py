@@ -1,0 +1,175 @@
+"""sft.py: expert rows equal the chat template (same token path as rollouts), SFT lowers the loss and
+makes a tiny model solve Corridor tasks it could not, AgentEvol and DPO run, pairs stay within a task,
+and the command line saves a loadable model and names bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import sft
+from env_server.app import serve_in_thread
+from env_server.corridor import CorridorEnv
+from rollout import ChatFormat, RolloutConfig, Trajectory, react_reply, write_log
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
+                          os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizers"))
+
+
+@pytest.fixture(scope="module")
+def corridor_model_path(tmp_path_factory):
+    import tiny_model
+    return tiny_model.build(str(tmp_path_factory.mktemp("tiny") / "corridor"), env_names=("corridor",),
+                            tokenizer="words", layers=2, hidden=64)
+
+
+def load(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def corridor_url():
+    url, stop = serve_in_thread(CorridorEnv)
+    yield url
+    stop()
+
+
+def sampled_runs(t):
+    runs, cur = [], []
+    for i, m in zip(t.token_ids, t.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+def textcraft_tokenizers():
+    from transformers import AutoTokenizer
+    path = os.path.join(FIXTURES, "qwen2.5-instruct")
+    return [AutoTokenizer.from_pretrained(path)] if os.path.isdir(path) else []
+
+
+def check_rows(fmt, trajs):
+    for t in trajs:
+        # the row is the template's tokenisation of the conversation up to the last reply's end of turn
+        full = fmt.encode(fmt.tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True))
+        assert full[:len(t.token_ids)] == t.token_ids
+        assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"], reply_ended=True)
+        # the loss mask covers exactly the replies and their end-of-turn tokens
+        replies = [m["content"] for m in t.messages[3:] if m["role"] == "assistant"]
+        assert sampled_runs(t) == [fmt.encode(r) + [fmt.eot_id] for r in replies]
+        assert len(replies) == t.turns and len(t.loss_mask) == len(t.token_ids) == len(t.logprobs)
+
+
+def test_expert_rows_match_the_chat_template(corridor_model_path):
+    _, tok = load(corridor_model_path)
+    fmt = ChatFormat(tok)
+    trajs = sft.expert_trajectories("corridor", [0, 5, 48], fmt)
+    assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
+    assert [t.turns for t in trajs] == [1, 3, 1]
+    assert trajs[1].messages[3]["content"] == react_reply("corridor", "left")
+    check_rows(fmt, trajs)
+    for tok in textcraft_tokenizers():  # a real BPE tokenizer on TextCraft, with noise
+        fmt = ChatFormat(tok)
+        trajs = sft.expert_trajectories("textcraft", [0, 1, 2], fmt, noise=0.3, seed=1)
+        assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
+        check_rows(fmt, trajs)
+        clean = sft.expert_trajectories("textcraft", [0, 1, 2], fmt)
+        assert sum(t.turns for t in trajs) > sum(t.turns for t in clean)  # wrong actions cost turns
+    capped = sft.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
+                                     max_turns=3)
+    assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
+
+
+def test_sft_lowers_loss_and_solves_more_corridor_tasks(corridor_model_path, corridor_url):
+    model, tok = load(corridor_model_path)
+    fmt = ChatFormat(tok)
+    data = sft.expert_trajectories("corridor", list(range(48)), fmt)
+    rcfg = RolloutConfig(max_turns=6, max_new_tokens=16, temperature=0.0)
+    test_ids = list(range(48, 60))
+
+    def solved():
+        return sum(map(sft.is_success, sft.play(model, tok, corridor_url, "corridor", test_ids, rcfg)))
+
+    before = solved()
+    losses = sft.sft(model, tok, data, epochs=8, lr=3e-3, batch_size=4, progress=False)
+    after = solved()
+    print(f"corridor SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f}; solved {before} -> {after} of 12")
+    assert losses[-1] < 0.3 * losses[0]
+    assert after > before
+
+
+def test_agent_evol_runs_one_iteration(corridor_model_path, corridor_url):
+    model, tok = load(corridor_model_path)
+    seed_data = sft.expert_trajectories("corridor", [0, 1], ChatFormat(tok))
+    rates = sft.agent_evol(model, tok, corridor_url, "corridor", [0, 1, 2], iterations=1, samples_per_task=2,
+                           data=seed_data, max_turns=3, max_new_tokens=8, lr=1e-3, progress=False)
+    assert len(rates) == 1 and 0.0 <= rates[0] <= 1.0
+
+
+def test_dpo_loss_decreases_on_one_pair(corridor_model_path):
+    import copy
+    model, tok = load(corridor_model_path)
+    fmt = ChatFormat(tok)
+    chosen = sft.expert_trajectories("corridor", [2], fmt)[0]
+    rejected = sft.expert_trajectories("corridor", [2], fmt, noise=1.0, max_turns=3)[0]
+    assert sft.is_success(chosen) and not sft.is_success(rejected)
+    ref = copy.deepcopy(model)
+    losses = sft.dpo(model, ref, tok, [(chosen, rejected)] * 5, beta=0.1, lr=1e-3, batch_size=1, progress=False)
+    assert len(losses) == 5
+    assert abs(losses[0] - torch.log(torch.tensor(2.0)).item()) < 1e-4  # policy == reference at the start
+    assert losses[-1] < losses[0]
+
+
+def traj(item, status, reward):
+    return Trajectory("corridor", item, 0, [], [1, 2], [0, 1], [0.0, 0.0], 1, status, reward)
+
+
+def test_make_pairs_stays_within_an_item():
+    ts = [traj(0, "done", 1.0), traj(0, "max_turns", 0.0), traj(0, "max_turns", 0.0), traj(1, "done", 1.0),
+          traj(2, "max_turns", 0.0), traj(3, "done", 1.0), traj(3, "env_error", 0.0)]
+    pairs = sft.make_pairs(ts)
+    assert len(pairs) == 2
+    for c, r in pairs:
+        assert c.item_id == r.item_id == 0 and sft.is_success(c) and not sft.is_success(r)
+    assert {id(r) for _, r in pairs} == {id(ts[1]), id(ts[2])}
+
+
+def test_load_log_reads_files_and_folders(tmp_path, corridor_model_path):
+    trajs = sft.expert_trajectories("corridor", [0, 1], ChatFormat(load(corridor_model_path)[1]))
+    trajs[1].reward, trajs[1].status = 0.0, "max_turns"
+    write_log(str(tmp_path / "rollouts" / "step_000001.jsonl"), 1, 6, trajs)
+    assert len(sft.load_log(str(tmp_path))) == 2
+    got = sft.load_log(str(tmp_path / "rollouts" / "step_000001.jsonl"), successful_only=True)
+    assert len(got) == 1 and got[0].token_ids == trajs[0].token_ids and got[0].loss_mask == trajs[0].loss_mask
+    with pytest.raises(FileNotFoundError, match="nope"):
+        sft.load_log(str(tmp_path / "nope"))
+
+
+def run_cli(args):
+    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
+    out = tmp_path / "out"
+    r = run_cli(["--env", "corridor", "--model", corridor_model_path, "--out", str(out), "--tasks", "0-7",
+                 "--epochs", "2", "--noise", "0.2", "--threads", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["trajectories"] == 8 and len(summary["sft_loss"]) == 2
+    model, tok = load(str(out))
+    assert tok.chat_template and model.config.vocab_size == len(tok)
+    for args, words in [(["--from-log", str(tmp_path / "missing")], "--from-log"), (["--noise", "2"], "--noise"),
+                        (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
+        r = run_cli(["--env", "corridor", "--out", str(out), *args])
+        assert r.returncode != 0 and words in r.stderr, (args, r.stderr[-500:])

@@ -30,6 +30,18 @@ def raw(url: str, method: str, path: str, body=None, headers=None):
         return resp.status, data
 
 
+def sampled_runs(t):
+    """The runs of consecutive loss-mask-1 ids of a trajectory: one per reply."""
+    runs, cur = [], []
+    for i, m in zip(t.token_ids, t.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
 @pytest.fixture
 def toy_server():
     """A fresh CounterEnv server on a thread; yields its base URL."""

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import sampled_runs
 
 from env_client import ONE_ACTION_ERROR, EnvPool
 from env_server.app import serve_in_thread
@@ -70,17 +71,6 @@ def play(url, tok, replies, n=2, cut=(), **cfg):
         trajs = rollout(ScriptedEngine(fmt, replies, cut), fmt, pool, "textcraft", list(range(n)),
                         list(range(n)), RolloutConfig(**{"max_turns": 3, **cfg}))
     return fmt, trajs
-
-
-def sampled_runs(t):
-    runs, cur = [], []
-    for i, m in zip(t.token_ids, t.loss_mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs + ([cur] if cur else [])
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-instruct", "phi-3-mini", "qwen3"])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, sampled_runs
 
 import sft
 from env_server.app import serve_in_thread
@@ -40,17 +40,6 @@ def corridor_url():
     url, stop = serve_in_thread(CorridorEnv)
     yield url
     stop()
-
-
-def sampled_runs(t):
-    runs, cur = [], []
-    for i, m in zip(t.token_ids, t.loss_mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs + ([cur] if cur else [])
 
 
 def textcraft_tokenizers():

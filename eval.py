@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from env_client import EnvError, EnvPool, Transport, parse_action
-from rollout import RolloutConfig, Trajectory, opening_messages, write_log
+from rollout import RolloutConfig, Trajectory, opening_messages, start_trajectories, write_log  # noqa: F401 (opening_messages: the prompts endpoints get)
 from train import arg, check_positive, config_parser
 
 ENDPOINT_ERROR = "endpoint"  # prefix of Trajectory.error for a failed chat request (status env_error)
@@ -175,15 +175,7 @@ def endpoint_rollout(endpoint: ChatEndpoint, pool: EnvPool, env: str, item_ids: 
                      max_turns: int, workers: int = 16) -> list[Trajectory]:
     """rollout.rollout at the message level: the same opening messages, parsing and statuses, with the
     endpoint's chat template instead of token ids (token_ids, loss_mask and logprobs stay empty)."""
-    assert len(item_ids) == pool.size == len(groups)
-    trajs = []
-    for item, group, first in zip(item_ids, groups, pool.reset(list(item_ids))):
-        t = Trajectory(env, item, group, [], [], [], [])
-        if isinstance(first, EnvError):
-            t.status, t.error = "env_error", str(first)
-        else:
-            t.messages = opening_messages(env, first)
-        trajs.append(t)
+    trajs = start_trajectories(pool, env, item_ids, groups)
 
     def ask(i: int):
         try:

@@ -270,22 +270,31 @@ class RolloutConfig:
     check_template: bool = True  # compare each row to the chat template every turn
 
 
-def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-            cfg: RolloutConfig, generator: torch.Generator | None = None, progress=None) -> list[Trajectory]:
-    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended."""
+def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int]) -> list[Trajectory]:
+    """Reset pool instance i to task item_ids[i]; one Trajectory each with its opening messages, or
+    status env_error when the reset failed."""
     assert len(item_ids) == pool.size == len(groups)
-    trajs: list[Trajectory] = []
+    trajs = []
     for item, group, first in zip(item_ids, groups, pool.reset(list(item_ids))):
         t = Trajectory(env, item, group, [], [], [], [])
         if isinstance(first, EnvError):
             t.status, t.error = "env_error", str(first)
         else:
             t.messages = opening_messages(env, first)
+        trajs.append(t)
+    return trajs
+
+
+def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
+            cfg: RolloutConfig, generator: torch.Generator | None = None, progress=None) -> list[Trajectory]:
+    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended."""
+    trajs = start_trajectories(pool, env, item_ids, groups)
+    for t in trajs:
+        if not t.finished:
             t.token_ids = fmt.prompt_ids(t.messages)
             t.n_prompt = len(t.token_ids)
             t.loss_mask = [0] * len(t.token_ids)
             t.logprobs = [0.0] * len(t.token_ids)
-        trajs.append(t)
 
     for turn in range(cfg.max_turns):
         for t in trajs:  # the next reply must fit: stop before generating, not in the middle
@@ -425,4 +434,4 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
 
 
 __all__ = ["ChatFormat", "HFEngine", "RolloutConfig", "Sample", "Trajectory", "build_batch", "length_buckets",
-           "opening_messages", "react_reply", "rollout", "system_prompt", "write_log"]
+           "opening_messages", "react_reply", "rollout", "start_trajectories", "system_prompt", "write_log"]

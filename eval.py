@@ -131,6 +131,23 @@ def categories_for(env: str, item_ids: list[int]) -> dict[int, str]:
     return {i: cls.task_category(world, i) for i in item_ids}
 
 
+def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "eval",
+                   leave: bool = True) -> list[Trajectory]:
+    """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
+    play(pool, items, groups) -> trajectories, chunk by chunk. The last chunk is padded to the pool's
+    size with copies, which are dropped after."""
+    from tqdm import tqdm
+
+    size = max(1, min(size, len(items)))
+    trajs: list[Trajectory] = []
+    with EnvPool(url, size) as pool:
+        for s in tqdm(range(0, len(items), size), desc=desc, leave=leave, dynamic_ncols=True):
+            its, gs = items[s:s + size], groups[s:s + size]
+            got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)))
+            trajs += got[: len(its)]
+    return trajs
+
+
 # ---------------------------------------------------------------- an OpenAI-compatible chat endpoint
 class ChatEndpoint:
     """POST {base}/chat/completions with the rollout's messages; returns the reply text.
@@ -239,7 +256,7 @@ def load_local(cfg: EvalConfig):
             sys.exit(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected {cfg.checkpoint}/checkpoint/model)")
         path = os.path.join(ckpt, "model")
     else:
-        path = cfg.model or train.tiny_model_path(train.Config(env=cfg.env, cache_dir=cfg.cache_dir))
+        path = cfg.model or train.default_model_path(cfg.env, cfg.cache_dir)
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -290,24 +307,13 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
           f"temperature {cfg.temperature:g}, policy {policy}")
 
     from rollout import rollout
-    from tqdm import tqdm
 
-    size = min(cfg.batch, len(episodes))
-    trajs: list[Trajectory] = []
-    pool = EnvPool(url, size)
-    try:
-        for s in tqdm(range(0, len(episodes), size), desc="eval", dynamic_ncols=True):
-            chunk = episodes[s:s + size]
-            # The last chunk may be short: pad it to the pool size with copies and drop those after.
-            padded = chunk + [chunk[-1]] * (size - len(chunk))
-            items, groups = [e[1] for e in padded], [e[0] for e in padded]
-            if cfg.endpoint:
-                got = endpoint_rollout(endpoint, pool, cfg.env, items, groups, cfg.max_turns, cfg.endpoint_workers)
-            else:
-                got = rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, generator)
-            trajs += got[: len(chunk)]
-    finally:
-        pool.close()
+    def play(pool, items, groups):
+        if cfg.endpoint:
+            return endpoint_rollout(endpoint, pool, cfg.env, items, groups, cfg.max_turns, cfg.endpoint_workers)
+        return rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, generator)
+
+    trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play)
 
     # -------- scores: errors are excluded and counted, never scored 0
     rows, per_task = [], {item: {"item_id": item, "category": category[item], "scores": [], "errors": 0}

@@ -1,9 +1,11 @@
-"""Training curves of one or more runs: success rate and mean reward against step, horizon stages shaded.
+"""Training curves of one or more runs: success rate, held-out success and mean reward against step,
+horizon stages shaded.
 
     python plot.py runs/textcraft__grpo__0__A runs/textcraft__grpo__0__B --out curves.png --labels K=10,K=10-30
 
-Reads RUN_DIR/metrics.jsonl (one line per step, as train.py writes it) and RUN_DIR/config.json (the
-label env/algo/schedule when --labels is absent). The turn horizon K of every step is read from the
+Reads RUN_DIR/metrics.jsonl (one line per step, as train.py writes it), RUN_DIR/eval.jsonl (the held-out
+evaluations, when present: a middle panel) and RUN_DIR/config.json (the label env/algo/schedule when
+--labels is absent). The turn horizon K of every step is read from the
 `max_turns` column, so the shaded stages are the horizons actually used (a plateau schedule included):
 light background bands labelled K=.. for the first run with more than one stage, and dotted vertical
 lines in its colour where another run's horizon changes at different steps. Raw values are drawn faint,
@@ -32,8 +34,13 @@ def read_run(run_dir: str) -> dict:
     if os.path.isfile(os.path.join(run_dir, "config.json")):
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
+    evals = []
+    if os.path.isfile(os.path.join(run_dir, "eval.jsonl")):
+        with open(os.path.join(run_dir, "eval.jsonl")) as f:
+            evals = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
     return {"steps": [r["step"] for r in rows], "success_rate": [r["success_rate"] for r in rows],
             "reward_mean": [r["reward_mean"] for r in rows], "max_turns": [r["max_turns"] for r in rows],
+            "eval_steps": [r["step"] for r in evals], "eval_success": [r["success_rate"] for r in evals],
             "config": config}
 
 
@@ -73,11 +80,14 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
     runs = [read_run(d) for d in run_dirs]
     labels = labels or [label_of(d, r["config"]) for d, r in zip(run_dirs, runs)]
     assert len(labels) == len(runs), f"{len(labels)} labels for {len(runs)} runs"
-    fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    panels = [("success_rate", "training success"), ("reward_mean", "training reward")]
+    if any(r["eval_steps"] for r in runs):
+        panels.insert(1, ("eval_success", "held-out success"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True)
     run_stages = [stages(r["steps"], r["max_turns"]) for r in runs]
     shaded = next((i for i, st in enumerate(run_stages) if len(st) > 1), 0)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, key, title in zip(axes, ("success_rate", "reward_mean"), ("success rate", "mean reward")):
+    for ax, (key, title) in zip(axes, panels):
         # Stage bands of one run: half a step either side, so that adjacent bands meet.
         for j, (a, b, k) in enumerate(run_stages[shaded]):
             ax.axvspan(a - 0.5, b + 0.5, color=("#e8eef7" if j % 2 == 0 else "#f5efe6"), zorder=0)
@@ -88,6 +98,9 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
             if i != shaded and run_stages[i] != run_stages[shaded]:
                 for a, _b, _k in run_stages[i][1:]:
                     ax.axvline(a - 0.5, color=c, linestyle=":", linewidth=1)
+            if key == "eval_success":  # a few points: drawn as they are
+                ax.plot(r["eval_steps"], r[key], color=c, linewidth=2, marker="o", label=name)
+                continue
             ax.plot(r["steps"], r[key], color=c, alpha=0.25, linewidth=1)
             ax.plot(r["steps"], smooth(r[key], window), color=c, linewidth=2, label=name)
         ax.set_ylabel(title)

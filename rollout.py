@@ -113,6 +113,15 @@ class ChatFormat:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self._render(messages, gen=True))
 
+    def reply_ids(self, reply: str) -> list[int]:
+        """A reply written as text (an expert's), as ids the policy would sample: tokenised in place after
+        the generation prompt, as the full template tokenises it (SentencePiece tokenisers encode a
+        text's first word differently at the start of a string), then the end-of-turn token."""
+        head = self._render([{"role": "user", "content": "U"}], gen=True)
+        h, full = self.encode(head), self.encode(head + reply)
+        ids = full[len(h):] if full[:len(h)] == h else self.encode(reply)
+        return ids + [self.eot_id]
+
     def observation_ids(self, observation: str, reply_ended: bool) -> list[int]:
         """Ids to append after a reply: the end-of-turn token (unless the policy sampled it), the user
         turn with `observation`, and the generation prompt. Tokenised with the end-of-turn special token
@@ -147,8 +156,8 @@ class HFEngine:
     truncation; the trainer computes its log-probs the same way, so the PPO ratio is 1 on-policy.
     """
 
-    def __init__(self, model, pad_id: int, max_batch: int = 64):
-        self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
+    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True):
+        self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
 
     def sync_weights(self, model) -> None:
         self.model = model  # same process, same object: nothing to copy
@@ -162,6 +171,17 @@ class HFEngine:
             out += self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
                                   generator)
         return out
+
+    def _static_cache(self, length: int):
+        """transformers' StaticCache of `length` positions, or None (a growing cache) where it fails."""
+        if not self.static_cache:
+            return None
+        try:
+            from transformers import StaticCache
+            return StaticCache(config=self.model.config, max_cache_len=length)
+        except Exception:  # an older transformers or a model it does not support
+            self.static_cache = False
+            return None
 
     def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator):
         model = self.model
@@ -179,11 +199,16 @@ class HFEngine:
         stop = torch.tensor(stop_ids, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         new_ids, new_lps = [], []
-        cache, step_ids, step_pos = None, ids, pos
+        # A cache of fixed size written in place: a growing one is re-concatenated at every token, which
+        # costs more than the model itself once prompts are a few thousand tokens long.
+        cache = self._static_cache(L + max_new_tokens)
+        step_ids, step_pos, cache_pos = ids, pos, torch.arange(L, device=device)
         for _ in range(max_new_tokens):
+            kw = {} if cache is None else {"cache_position": cache_pos}
             o = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
-                      use_cache=True)
+                      use_cache=True, **kw)
             cache = o.past_key_values
+            cache_pos = cache_pos[-1:] + 1
             logits = o.logits[:, -1].float()  # (B, V)
             if temperature > 0:
                 logits = logits / temperature

@@ -49,10 +49,11 @@ class Config:
                              choices=["step", "plateau"])
     # Algorithm
     algo: str = arg("grpo", "advantage estimator", choices=["grpo", "rloo", "reinforce_pp", "ppo"])
-    steps: int = arg(30, "training steps")
-    batch_size: int = arg(8, "tasks per step")
+    steps: int = arg(24, "training steps")
+    batch_size: int = arg(4, "tasks per step (the paper: 16-32 on 8 GPUs)")
     group_size: int = arg(4, "trajectories per task (GRPO/RLOO groups)")
-    lr: float = arg(1e-4, "policy learning rate (AdamW); ~1e-6 for 3B-7B models")
+    lr: float | None = arg(None, "policy learning rate (AdamW); default: 1e-6 with --model (the paper's, for "
+                                 "3B-7B models), 3e-4 for the built-in tiny model")
     critic_lr: float = arg(1e-4, "critic learning rate (PPO)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     ppo_epochs: int = arg(1, "passes over each batch")
@@ -76,6 +77,11 @@ class Config:
     top_p: float = arg(1.0, "nucleus sampling")
     max_new_tokens: int = arg(48, "tokens per assistant turn")
     max_context: int = arg(4096, "tokens per trajectory")
+    # Held-out evaluation (the env's test split, sampled at --temperature as in the paper)
+    eval_every: int = arg(12, "evaluate on held-out test tasks every N steps, before the first and after the "
+                              "last (0: never)")
+    eval_tasks: int = arg(52, "test tasks per evaluation, spread over the split (0: all)")
+    eval_turns: int | None = arg(None, "horizon of the evaluation episodes (default: the schedule's largest)")
     # Run
     seed: int = arg(0, "seed of task order, sampling and init")
     out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
@@ -119,6 +125,13 @@ def parse_args(argv=None) -> Config:
         p.error("--max-context must be larger than --max-new-tokens")
     if cfg.resume and not cfg.out:
         p.error("--resume needs --out: the run folder to continue")
+    if cfg.lr is None:
+        cfg.lr = 1e-6 if cfg.model else 3e-4
+    for name in ("eval_every", "eval_tasks"):
+        if getattr(cfg, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more")
+    if cfg.eval_turns is not None and cfg.eval_turns < 1:
+        p.error("--eval-turns must be at least 1")
     try:
         make_schedule(cfg.schedule, cfg.schedule_every or 1, cfg.schedule_kind)
     except ValueError as e:
@@ -127,22 +140,49 @@ def parse_args(argv=None) -> Config:
 
 
 # ---------------------------------------------------------------- models
-def tiny_model_path(cfg: Config) -> str:
-    """The built-in tiny model for this env, built once into the cache folder."""
-    import tiny_model
+# The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy starts from
+# random weights with a word-level vocabulary (its learning test); the others are warm-started (sft.py).
+TINY_MODELS = {"corridor": ("words", 2, 64)}
+TINY_DEFAULT = ("bpe", 3, 192)
 
-    kind = "words" if cfg.env == "corridor" else "bpe"
-    path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{kind}")
+
+def build_once(path: str, build) -> str:
+    """Call build(tmp_dir) once and move the result to `path`; concurrent callers keep one winner."""
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + f".tmp{os.getpid()}"
-        tiny_model.build(tmp, env_names=(cfg.env,), tokenizer=kind, layers=2 if kind == "words" else 4,
-                         hidden=64 if kind == "words" else 256)
-        os.makedirs(cfg.cache_dir, exist_ok=True)
+        build(tmp)
         if os.path.exists(path):  # another process won the race
             shutil.rmtree(tmp)
         else:
             os.replace(tmp, path)
     return path
+
+
+def tiny_model_path(env: str, cache_dir: str) -> str:
+    """The built-in tiny model for this env with random weights, built once into the cache folder."""
+    import tiny_model
+
+    kind, layers, hidden = TINY_MODELS.get(env, TINY_DEFAULT)
+    os.makedirs(cache_dir, exist_ok=True)
+    return build_once(os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}"), lambda tmp: tiny_model.build(
+        tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden))
+
+
+def default_model_path(env: str, cache_dir: str) -> str:
+    """The policy train.py and eval.py use without --model: the tiny model after the env's warm start
+    (sft.WARM_START: behavioural cloning on a deliberately noisy expert), built once and cached; the
+    random tiny model for envs without a warm-start recipe."""
+    import sft
+
+    base = tiny_model_path(env, cache_dir)
+    recipe = sft.WARM_START.get(env)
+    if recipe is None:
+        return base
+    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items()))
+    path = f"{base}-warm-{tag}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"building the warm-started tiny model for {env} (once; cached in {path})", flush=True)
+    return build_once(path, lambda tmp: sft.warm_start(env, base, tmp))
 
 
 class Critic(torch.nn.Module):
@@ -162,15 +202,50 @@ class Critic(torch.nn.Module):
         return self.head(h).squeeze(-1).float()  # (B, T)
 
 
-def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False):
+def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
     """Log-probs (and entropies) of tokens 1..T-1 given their prefixes: (b, T-1), the trainer's side of
-    the sampler's tempered log-probs."""
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                   position_ids=mb["position_ids"]).logits[:, :-1].float()
+    the sampler's tempered log-probs.
+
+    With `mask` (b, T-1), only positions where it is 1 are computed (0 elsewhere): the LM head, the
+    largest tensor of a small model's step (b x T x vocab), runs on those hidden states alone. That
+    needs logits == output_embeddings(last hidden state), true of Llama, Qwen, Mistral and Phi; it is
+    checked once per model class against the full forward, which is used where it does not hold."""
+    ids = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if mask is None or not _head_split_ok(model):
+        logits = model(**ids).logits[:, :-1].float()
+        sel = None
+    else:
+        h = model.base_model(**ids).last_hidden_state[:, :-1]
+        sel = mask > 0
+        logits = model.get_output_embeddings()(h[sel]).float()  # (n, V): the masked positions only
     if temperature > 0:
         logits = logits / temperature
-    lp = algos.logprobs_from_logits(logits, mb["input_ids"][:, 1:])
-    return lp, (algos.entropy_from_logits(logits) if with_entropy else None)
+    targets = mb["input_ids"][:, 1:]
+    lp = algos.logprobs_from_logits(logits, targets if sel is None else targets[sel])
+    ent = algos.entropy_from_logits(logits) if with_entropy else None
+    if sel is not None:  # scatter back to (b, T-1)
+        lp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        if ent is not None:
+            ent = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
+    return lp, ent
+
+
+_HEAD_SPLIT: dict = {}
+
+
+def _head_split_ok(model) -> bool:
+    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), on a short input."""
+    key = type(model)
+    if key not in _HEAD_SPLIT:
+        try:
+            with torch.no_grad():
+                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
+                full = model(input_ids=x).logits
+                split = model.get_output_embeddings()(model.base_model(input_ids=x).last_hidden_state)
+            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=1e-4, rtol=1e-3))
+        except Exception:  # no base_model / output embeddings in the usual places
+            _HEAD_SPLIT[key] = False
+    return _HEAD_SPLIT[key]
 
 
 def shifted(batch: dict) -> dict:
@@ -230,6 +305,9 @@ def main(cfg: Config) -> dict:
                           ("cpu" if cfg.device == "auto" else cfg.device))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
+        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+        default_model_path(cfg.env, cfg.cache_dir)
     # An oversubscribed CPU is catastrophic for torch's OpenMP threads (100x slower when the env server
     # takes a core they spin on), so leave one core free by default.
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -249,7 +327,7 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
     tasks = Transport(url).request("GET", "/tasks", retry=True)
     train_ids = tasks["splits"]["train"]
-    init_path = cfg.model or tiny_model_path(cfg)  # the initial policy: also the KL reference
+    init_path = cfg.model or default_model_path(cfg.env, cfg.cache_dir)  # initial policy, KL reference
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).to(device)
@@ -279,7 +357,27 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
         sample_gen.set_state(st["sample_gen"])
         torch.set_rng_state(st["torch_rng"])
         start = st["step"] + 1
-        _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), st["step"])
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            _truncate_metrics(os.path.join(cfg.out, name), st["step"])
+    test_ids = spread(tasks["splits"].get("test", []), cfg.eval_tasks)
+    eval_K = cfg.eval_turns or max(int(k) for k in cfg.schedule.split(","))
+    evals: list[dict] = []
+    if ckpt and os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # a resumed run: earlier evaluations
+        with open(os.path.join(cfg.out, "eval.jsonl")) as f:
+            evals = [json.loads(x) for x in f if x.strip()]
+
+    def held_out(step: int) -> None:
+        if cfg.eval_every and test_ids:
+            r = evaluate_held_out(cfg, engine, fmt, url, test_ids, eval_K, step)
+            evals.append(r)
+            with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
+                f.write(json.dumps(r) + "\n")
+            tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} "
+                       f"test tasks (K={eval_K}, {r['time_s']:.0f}s)")
+
+    t_start = time.time()
+    if start == 1:
+        held_out(0)  # the starting policy: the baseline every later evaluation is compared with
     n = cfg.batch_size * cfg.group_size
     pool = EnvPool(url, n)
     rcfg = RolloutConfig(max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
@@ -316,6 +414,9 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
             bar.set_postfix(K=K, reward=f"{m['reward_mean']:.2f}", success=f"{m['success_rate']:.2f}")
             summary = m
 
+            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                held_out(step)
+
             # -------- checkpoint
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 state = {"step": step, "schedule": schedule.state_dict(), "data_rng": data_rng.getstate(),
@@ -324,7 +425,64 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
                 save_checkpoint(cfg.out, model, tokenizer, critic, optims, state)
     finally:
         pool.close()
-    return summary
+    return {**summary, **print_summary(cfg, evals, time.time() - t_start)}
+
+
+def spread(ids: list[int], k: int) -> list[int]:
+    """k ids spread evenly over the list (all of them when k is 0 or too large)."""
+    if not k or k >= len(ids):
+        return list(ids)
+    return [ids[i * len(ids) // k] for i in range(k)]
+
+
+def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K: int, step: int) -> dict:
+    """One sampled episode per held-out test task at horizon K, at the training temperature (the paper
+    evaluates at 1), with a fixed seed so every evaluation draws the same random numbers. Success = done
+    with reward > 0; env errors are left out and counted."""
+    from eval import categories_for, play_in_chunks
+
+    t0 = time.time()
+    rcfg = RolloutConfig(max_turns=K, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                         temperature=cfg.temperature, top_p=cfg.top_p)
+    gen = torch.Generator().manual_seed(cfg.seed + 12345)
+    trajs = play_in_chunks(url, 64, test_ids, list(range(len(test_ids))),
+                           lambda pool, items, groups: rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, gen),
+                           desc=f"held-out eval @ step {step}", leave=False)
+    kept = [t for t in trajs if t.status != "env_error"]
+    cat = categories_for(cfg.env, test_ids)
+    by_cat: dict[str, list[float]] = {}
+    for t in kept:
+        by_cat.setdefault(cat[t.item_id], []).append(float(t.status == "done" and t.reward > 0))
+    n = max(1, len(kept))
+    return {"step": step, "max_turns": K, "tasks": len(kept), "env_errors": len(trajs) - len(kept),
+            "success_rate": sum(t.status == "done" and t.reward > 0 for t in kept) / n,
+            "reward_mean": sum(t.reward for t in kept) / n, "turns_mean": sum(t.turns for t in kept) / n,
+            "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}
+
+
+def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
+    """The end-of-run report: training success early and late, held-out success first and last."""
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f if x.strip()]
+    k = max(1, min(5, len(rows) // 2))
+    mean = lambda rs, key: sum(r[key] for r in rs) / max(1, len(rs))  # noqa: E731
+    out = {"steps": len(rows), "minutes": seconds / 60, "out": cfg.out,
+           "train_success_first": mean(rows[:k], "success_rate"), "train_success_last": mean(rows[-k:], "success_rate")}
+    lines = [f"run {cfg.out}: {len(rows)} steps in {seconds / 60:.1f} min",
+             f"  training success (mean of {k} steps): first {out['train_success_first']:.3f} -> last "
+             f"{out['train_success_last']:.3f}"]
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        out.update(eval_success_start=a["success_rate"], eval_success_end=b["success_rate"],
+                   eval_step_start=a["step"], eval_step_end=b["step"])
+        lines.append(f"  held-out success ({b['tasks']} test tasks, K={b['max_turns']}): step {a['step']} "
+                     f"{a['success_rate']:.3f} -> step {b['step']} {b['success_rate']:.3f} "
+                     f"({100 * (b['success_rate'] - a['success_rate']):+.1f} points)")
+        for c in b["by_category"]:
+            lines.append(f"    {c:<28}{a['by_category'].get(c, float('nan')):.3f} -> {b['by_category'][c]:.3f}")
+    lines.append(f"  curves: python plot.py {cfg.out}")
+    print("\n".join(lines), flush=True)
+    return out
 
 
 def rollout_metrics(trajs, kept, K: int, time_rollout: float) -> dict:
@@ -366,7 +524,7 @@ def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, de
         with torch.no_grad():
             ref_lp = torch.zeros_like(mask)
             for idx in length_buckets(lengths, cfg.micro_batch_tokens):
-                ref_lp[idx] = token_logprobs(ref, rows(idx), cfg.temperature)[0]
+                ref_lp[idx] = token_logprobs(ref, rows(idx), cfg.temperature, mask=mask[idx])[0]
 
     # -------- clipped policy-gradient epochs over mini-batches, micro-batched by length
     stats: dict[str, list[float]] = {}
@@ -386,7 +544,7 @@ def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, de
                 mb = {k: v[:, :T] for k, v in mb.items()}
                 mb_mask, w = mask[idx, :T - 1], micro_weight(mask[idx], mini_mask, cfg.loss_agg)
                 padded, real = padded + len(idx) * T, real + sum(lengths[i] for i in idx)
-                lp, ent = token_logprobs(model, mb, cfg.temperature, with_entropy=True)
+                lp, ent = token_logprobs(model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
                 old = sh["old_logprobs"][idx, :T - 1]
                 loss, pst = algos.policy_loss(lp, old, adv[idx, :T - 1], mb_mask, cfg.clip_low, cfg.clip_high,
                                               cfg.dual_clip, cfg.loss_agg)

@@ -308,9 +308,10 @@ def load_builtin_world() -> World:
 # ---------------------------------------------------------------------------------------------------
 # Tasks and the expert
 # ---------------------------------------------------------------------------------------------------
-def task_commands(world: World, idx: int) -> list[str]:
-    """The crafting commands shown for task `idx`: its recipe tree plus distractors, shuffled."""
-    rng = random.Random(idx)
+def task_commands(world: World, idx: int, variant: int = 0) -> list[str]:
+    """The crafting commands shown for task `idx`: its recipe tree plus distractors, shuffled. Variant
+    k > 0 draws other distractors in another order for the same goal (training-data augmentation)."""
+    rng = random.Random(idx if variant == 0 else f"{idx}/{variant}")
     tree, seen, stack = [], set(), [world.goals[idx]]
     while stack:  # every recipe reachable from the goal through ingredients (tags: all their members)
         name = stack.pop()
@@ -415,13 +416,14 @@ class TextCraftEnv(Env):
         self.steps = 0
         self.last_observation = ""
 
-    def reset(self, idx: int) -> str:
+    def reset(self, idx: int, variant: int = 0) -> str:
+        """Task `idx`; `variant` k > 0 (in-process only, for SFT data) shows other distractors."""
         if not isinstance(idx, int) or isinstance(idx, bool):
             raise TaskError(f"task id must be an integer, got {idx!r}")
         if not 0 <= idx < len(self.world.goals):
             raise TaskError(f"task id {idx} out of range 0..{len(self.world.goals) - 1}", 404)
         self.idx, self.goal = idx, self.world.goals[idx]
-        self.commands = task_commands(self.world, idx)
+        self.commands = task_commands(self.world, idx, variant)
         self.inventory = {}
         self.done, self.reward, self.steps = False, 0.0, 0
         self.last_observation = "Crafting commands:\n{}\n\nGoal: craft {}.".format(

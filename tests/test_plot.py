@@ -1,5 +1,5 @@
 """plot.py: two runs (one fixed horizon, one with stages K=2 then K=4) make a PNG; stages are read off the
-max_turns column; a folder without metrics names itself in the error."""
+max_turns column; held-out evaluations add a panel; a folder without metrics names itself in the error."""
 
 import json
 import os
@@ -31,6 +31,27 @@ def test_two_runs_make_a_png(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     data = out.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_held_out_evaluations_get_their_own_panel(tmp_path):
+    """A run with eval.jsonl adds the held-out panel (three axes); read_run returns its points in order."""
+    write_run(tmp_path / "r", [2] * 3 + [4] * 3, "2,4")
+    with open(tmp_path / "r" / "eval.jsonl", "w") as f:
+        for step, rate in ((6, 0.5), (0, 0.25), (3, 0.3)):
+            f.write(json.dumps({"step": step, "success_rate": rate}) + "\n")
+    run = plot.read_run(str(tmp_path / "r"))
+    assert run["eval_steps"] == [0, 3, 6] and run["eval_success"] == [0.25, 0.3, 0.5]
+    import matplotlib.pyplot as plt
+    seen = []
+    real = plt.subplots
+    plt.subplots = lambda n, *a, **k: seen.append(n) or real(n, *a, **k)
+    try:
+        plot.plot([str(tmp_path / "r")], str(tmp_path / "e.png"))
+        write_run(tmp_path / "no_eval", [2] * 3, "2")
+        plot.plot([str(tmp_path / "no_eval")], str(tmp_path / "n.png"))
+    finally:
+        plt.subplots = real
+    assert seen == [3, 2] and (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_stages_and_smoothing():

@@ -43,9 +43,10 @@ def corridor_url():
 
 
 def textcraft_tokenizers():
+    """Real chat tokenizers: BPE (Qwen2.5, Qwen3) and SentencePiece (Phi-3), when the fixtures exist."""
     from transformers import AutoTokenizer
-    path = os.path.join(FIXTURES, "qwen2.5-instruct")
-    return [AutoTokenizer.from_pretrained(path)] if os.path.isdir(path) else []
+    paths = [os.path.join(FIXTURES, n) for n in ("qwen2.5-instruct", "qwen3", "phi-3-mini")]
+    return [AutoTokenizer.from_pretrained(p) for p in paths if os.path.isdir(p)]
 
 
 def check_rows(fmt, trajs):
@@ -56,7 +57,7 @@ def check_rows(fmt, trajs):
         assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"], reply_ended=True)
         # the loss mask covers exactly the replies and their end-of-turn tokens
         replies = [m["content"] for m in t.messages[3:] if m["role"] == "assistant"]
-        assert sampled_runs(t) == [fmt.encode(r) + [fmt.eot_id] for r in replies]
+        assert sampled_runs(t) == [fmt.reply_ids(r) for r in replies]
         assert len(replies) == t.turns and len(t.loss_mask) == len(t.token_ids) == len(t.logprobs)
 
 
@@ -68,16 +69,31 @@ def test_expert_rows_match_the_chat_template(corridor_model_path):
     assert [t.turns for t in trajs] == [1, 3, 1]
     assert trajs[1].messages[3]["content"] == react_reply("corridor", "left")
     check_rows(fmt, trajs)
-    for tok in textcraft_tokenizers():  # a real BPE tokenizer on TextCraft, with noise
+    capped = sft.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
+                                     max_turns=3)
+    assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
+
+
+def test_expert_rows_match_real_chat_templates():
+    """TextCraft expert rows, with noise and with task variants, are exactly what Qwen2.5's, Qwen3's and
+    Phi-3's templates tokenise (Phi-3's SentencePiece needs replies tokenised in context)."""
+    toks = textcraft_tokenizers()
+    if not toks:
+        pytest.skip(f"tokenizer fixtures not found at {FIXTURES} (set TOKENIZER_FIXTURES)")
+    for tok in toks:
         fmt = ChatFormat(tok)
         trajs = sft.expert_trajectories("textcraft", [0, 1, 2], fmt, noise=0.3, seed=1)
         assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
         check_rows(fmt, trajs)
         clean = sft.expert_trajectories("textcraft", [0, 1, 2], fmt)
         assert sum(t.turns for t in trajs) > sum(t.turns for t in clean)  # wrong actions cost turns
-    capped = sft.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
-                                     max_turns=3)
-    assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
+        varied = sft.expert_trajectories("textcraft", [40, 41], fmt, variants=2)
+        assert [t.item_id for t in varied] == [40, 41, 40, 41] and all(t.reward == 1.0 for t in varied)
+        assert varied[0].messages[2]["content"] != varied[2].messages[2]["content"]  # other distractors
+        assert varied[0].messages[2]["content"].splitlines()[-1] == varied[2].messages[2]["content"].splitlines()[-1]
+        check_rows(fmt, varied)
+    with pytest.raises(ValueError, match="no task variants"):
+        sft.expert_trajectories("corridor", [0], ChatFormat(toks[0]), variants=2)
 
 
 def test_sft_lowers_loss_and_solves_more_corridor_tasks(corridor_model_path, corridor_url):

@@ -11,7 +11,8 @@ from conftest import ROOT
 
 import train
 
-TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1"]
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+        "--eval-every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +96,23 @@ def test_uses_a_running_env_server(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
-    """A pipeline that does not learn fails here: reward must rise clearly within 40 steps."""
+    """A pipeline that does not learn fails here: reward must rise clearly within 40 steps, on the
+    training tasks and on the held-out test tasks (evaluated before step 1 and after step 40)."""
     cfg = train.parse_args(["--env", "corridor", "--algo", algo, "--schedule", "8", "--steps", "40",
                             "--batch-size", "8", "--group-size", "8", "--max-new-tokens", "6", "--lr", "3e-3",
                             "--critic-lr", "3e-3", "--threads", "1", "--out", str(tmp_path / algo),
-                            "--cache-dir", cache_dir])
-    train.main(cfg)
+                            "--cache-dir", cache_dir, "--eval-every", "40"])
+    summary = train.main(cfg)
     r = [x["reward_mean"] for x in metrics(tmp_path / algo)]
     first, last = sum(r[:8]) / 8, sum(r[-8:]) / 8
     assert last > first + 0.15, r
+    with open(tmp_path / algo / "eval.jsonl") as f:
+        evals = [json.loads(x) for x in f]
+    assert [e["step"] for e in evals] == [0, 40] and evals[0]["tasks"] == 12  # the 12 test tasks
+    assert set(evals[0]["by_category"]) == {"distance_1", "distance_2", "distance_3"}
+    assert evals[1]["success_rate"] > evals[0]["success_rate"] + 0.15, evals
+    assert summary["eval_success_start"] == evals[0]["success_rate"]
+    assert summary["eval_success_end"] == evals[1]["success_rate"]
 
 
 def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
@@ -119,7 +128,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = train.parse_args([*TINY, "--cache-dir", cache_dir])
-    path = train.tiny_model_path(cfg)
+    path = train.default_model_path(cfg.env, cfg.cache_dir)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     url, stop = serve_in_thread(CorridorEnv)
     with EnvPool(url, 6) as pool:
@@ -138,3 +147,33 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert (results[0] - before).abs().max() > 1e-6
         assert torch.allclose(results[0], results[1], atol=1e-6), mode
+
+
+def test_masked_logprobs_equal_the_full_forward():
+    """token_logprobs with a mask runs the LM head on the masked positions only: same values there
+    (log-probs and entropies), 0 elsewhere, same gradients."""
+    import torch
+
+    from tiny_model import build_model
+    model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
+    ids = torch.randint(0, 50, (3, 12))
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(12).repeat(3, 1)}
+    mask = (torch.rand(3, 11) < 0.4).long()
+    mask[0, 3] = 1
+    full_lp, full_ent = train.token_logprobs(model, mb, 0.7, with_entropy=True)
+    lp, ent = train.token_logprobs(model, mb, 0.7, with_entropy=True, mask=mask)
+    assert train._head_split_ok(model)
+    m = mask.bool()
+    assert torch.allclose(lp[m], full_lp[m], atol=1e-5) and torch.allclose(ent[m], full_ent[m], atol=1e-5)
+    assert (lp[~m] == 0).all() and (ent[~m] == 0).all()
+    grads = []
+    for lps in (full_lp, lp):
+        model.zero_grad()
+        torch.where(m, lps, 0.0).sum().backward(retain_graph=True)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_spread_picks_evenly():
+    assert train.spread(list(range(10)), 3) == [0, 3, 6]
+    assert train.spread([5, 6], 0) == [5, 6] and train.spread([5, 6], 9) == [5, 6]

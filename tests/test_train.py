@@ -81,7 +81,9 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
                          (["--schedule", "10,0"], "--schedule"),
                          (["--resume"], "--resume needs --out"),
                          (["--resume", "--out", str(tmp_path / "none")], "--resume: no checkpoint in"),
-                         (["--dual-clip", "0.5"], "--dual-clip must be greater than 1")]:
+                         (["--dual-clip", "0.5"], "--dual-clip must be greater than 1"),
+                         (["--eval-every", "-1"], "--eval-every must be 0 or more"),
+                         (["--eval-turns", "0"], "--eval-turns must be at least 1")]:
         out = run_train(args, cache_dir, check=False)
         assert out.returncode != 0 and needle in out.stderr, (args, out.stderr[-500:])
 
@@ -177,3 +179,20 @@ def test_masked_logprobs_equal_the_full_forward():
 def test_spread_picks_evenly():
     assert train.spread(list(range(10)), 3) == [0, 3, 6]
     assert train.spread([5, 6], 0) == [5, 6] and train.spread([5, 6], 9) == [5, 6]
+
+
+def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypatch):
+    """default_model_path builds the recipe's SFT model into the cache once, records it, and reuses it."""
+    import sft
+    recipe = dict(tasks=4, noise=0.0, epochs=1, lr=1e-3, batch_size=2)
+    monkeypatch.setitem(sft.WARM_START, "corridor", recipe)
+    path = train.default_model_path("corridor", str(tmp_path))
+    assert path.endswith("-warm-batch_size2-epochs1-lr0.001-noise0.0-tasks4")
+    info = json.load(open(os.path.join(path, "warm_start.json")))
+    assert info["tasks"] == 4 and info["recipe"] == recipe and len(info["sft_loss"]) == 1
+    stamp = os.path.getmtime(os.path.join(path, "config.json"))
+    assert train.default_model_path("corridor", str(tmp_path)) == path
+    assert os.path.getmtime(os.path.join(path, "config.json")) == stamp  # reused, not rebuilt
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    monkeypatch.delitem(sft.WARM_START, "corridor")
+    assert train.default_model_path("corridor", str(tmp_path)) == train.tiny_model_path("corridor", str(tmp_path))

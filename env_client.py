@@ -4,7 +4,9 @@ Drives this project's servers and AgentGym's own (FastAPI) servers alike:
 - instance ids travel as `id` or, for AgentGym's SearchQA/WebArena servers, as `env_idx`; `/create` may
   answer `{"id"}`, `{"env_idx"}` or a bare integer; the dialect is read off that first answer;
 - the value of a step is `score` where the server sends one (BabyAI, SciWorld), else `reward`;
-- `done` may come as `terminated`/`truncated` (WebArena);
+- `done` may come as `terminated`/`truncated` (WebArena), whose reward counts only once terminated and
+  whose /reset answers the bare page, so the client reads the agent's observation from /observation;
+- AgentGym's servers have no /tasks: `task_splits` then takes the ids from a file or the env's defaults;
 - AgentGym servers report errors as HTTP 200 with `{"error": ...}`; they become `EnvError` here too.
 
 Every failure (timeout, refused connection, HTTP error, error body, malformed answer) raises or returns
@@ -30,6 +32,11 @@ ONE_ACTION_ERROR = "Error: Only one 'Action' is allowed per response. Please adj
 _ACTION_RE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
 _NOT_ACTION_CHARS = re.compile(r"[^A-Za-z0-9, ]+")
 _SEARCH_TAG_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_BACKTICK_BLOCK_RE = re.compile(r"```(.*?)```", re.DOTALL)
+# The observation AgentGym's WebArena client gives for a reply without an action block (kept verbatim:
+# agents trained on its transcripts have seen exactly this text).
+WEBARENA_NO_ACTION = ("Cannot parse action from response. Your action should be inside triple backticks (```). "
+                      "Please adjust accordingly.")
 
 
 @dataclass
@@ -65,8 +72,11 @@ def parse_whole_reply(reply: str) -> ParsedAction:
     return ParsedAction(reply)
 
 
-def parse_raw(reply: str) -> ParsedAction:
-    """WebArena: the server parses the action block itself, so the whole reply goes."""
+def parse_webarena(reply: str) -> ParsedAction:
+    """WebArena: the server parses the first ```action``` block itself, so the whole reply goes; a reply
+    without a block is answered here, as AgentGym's client does, without stepping the browser."""
+    if not _BACKTICK_BLOCK_RE.search(reply):
+        return ParsedAction(None, WEBARENA_NO_ACTION)
     return ParsedAction(reply)
 
 
@@ -75,7 +85,7 @@ ACTION_PARSERS = {
     "babyai": parse_thought_action,
     "sciworld": parse_last_action,
     "searchqa": parse_search_answer,
-    "webarena": parse_raw,
+    "webarena": parse_webarena,
     "corridor": parse_whole_reply,
 }
 
@@ -199,9 +209,10 @@ def _step_from(raw) -> Step:
         raise EnvError("protocol", f"step answer without an observation: {str(raw)[:200]}")
     if "done" in raw:
         done = bool(raw["done"])
-    else:
+        value = raw.get("score", raw.get("reward", 0.0))
+    else:  # WebArena: terminated/truncated; the evaluator's reward counts once terminated, as upstream
         done = bool(raw.get("terminated", False) or raw.get("truncated", False))
-    value = raw.get("score", raw.get("reward", 0.0))
+        value = raw.get("reward", 0.0) if raw.get("terminated") else 0.0
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise EnvError("protocol", f"step answer with a non-numeric reward: {value!r}")
     return Step(str(raw["observation"]), float(value), done, raw)
@@ -224,6 +235,9 @@ class EnvClient:
         self.http = base_url if isinstance(base_url, Transport) else Transport(base_url, timeout, retries)
         created = self.http.request("POST", "/create", {}, retry=True)
         self.id_key, self.id = _read_id(created)
+        # AgentGym's WebArena server (`{"env_idx"}` from /create) answers /reset with the bare page tree;
+        # the agent's observation (objective, URL, tree, previous action) is what /observation renders.
+        self.observe_after_reset = isinstance(created, dict) and "env_idx" in created
         self.closed = False
 
     def _with_id(self, payload: dict) -> dict:
@@ -234,7 +248,9 @@ class EnvClient:
         if self.id_key == "env_idx":  # AgentGym's WebArena server reads `idx` and `seed`
             body.update(idx=item_id, seed=0)
         raw = self.http.request("POST", "/reset", self._with_id(body), retry=True)
-        if isinstance(raw, dict) and "observation" in raw:
+        if isinstance(raw, dict) and raw.get("observation") == "TimeoutError":  # WebArena's failed page load
+            raise EnvError("env", f"POST /reset: task {item_id} timed out loading its start page")
+        if isinstance(raw, dict) and "observation" in raw and not self.observe_after_reset:
             return str(raw["observation"])
         return self.observation()
 
@@ -258,7 +274,11 @@ class EnvClient:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.http.request("POST", "/close", self._with_id({}), retry=False)
+            try:
+                self.http.request("POST", "/close", self._with_id({}), retry=False)
+            except EnvError as e:
+                if e.kind != "protocol":  # WebArena answers a plain-text "closed": that is a success
+                    raise
 
 
 def _read_id(created) -> tuple[str, int]:
@@ -269,6 +289,41 @@ def _read_id(created) -> tuple[str, int]:
             if isinstance(created.get(key), int):
                 return key, created[key]
     raise EnvError("protocol", f"/create answered without an instance id: {str(created)[:200]}")
+
+
+# ---------------------------------------------------------------- task lists
+# Envs served by other projects, whose servers have no /tasks: how many task ids they take.
+REMOTE_TASKS = {"webarena": 812}  # WebArena's config_files/0.json .. 811.json
+
+
+def task_splits(url: str, env: str, tasks_file: str | None = None) -> dict:
+    """{"splits": {"train": [...], "test": [...]}, "categories": {id: name}} of the tasks at `url`.
+
+    From `tasks_file` when given (JSON: {"train": [...], "test": [...]} or {"splits": {...}}, optionally
+    "categories": {"12": "shopping", ...}), else from the server's /tasks (this project's servers), else
+    the defaults of an env served elsewhere: WebArena's 812 ids with every fifth one held out for test.
+    """
+    if tasks_file:
+        try:
+            with open(tasks_file, encoding="utf-8") as f:
+                data = json.load(f)
+            splits = data.get("splits", data)
+            splits = {k: [int(i) for i in v] for k, v in splits.items() if k in ("train", "test")}
+            categories = {int(k): str(v) for k, v in data.get("categories", {}).items()}
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"--tasks-file {tasks_file}: {e}") from None
+        if not splits.get("train") and not splits.get("test"):
+            raise ValueError(f"--tasks-file {tasks_file}: no 'train' or 'test' id list")
+        return {"splits": splits, "categories": categories}
+    try:
+        return {"splits": Transport(url).request("GET", "/tasks", retry=True)["splits"], "categories": {}}
+    except (EnvError, KeyError, TypeError) as e:
+        if isinstance(e, EnvError) and e.kind in ("timeout", "connection"):
+            raise  # no server there at all: say so, rather than guess its tasks
+        if env not in REMOTE_TASKS:
+            raise ValueError(f"the server at {url} does not list its tasks ({e}); give them with --tasks-file") from None
+    n = REMOTE_TASKS[env]
+    return {"splits": {"train": [i for i in range(n) if i % 5], "test": list(range(0, n, 5))}, "categories": {}}
 
 
 # ---------------------------------------------------------------- many instances

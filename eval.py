@@ -35,9 +35,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from env_client import EnvError, EnvPool, Transport, parse_action
+from env_client import EnvError, EnvPool, parse_action, task_splits
 from rollout import RolloutConfig, Trajectory, opening_messages, start_trajectories, write_log  # noqa: F401 (opening_messages: the prompts endpoints get)
-from train import arg, check_positive, config_parser
+from train import arg, check_positive, check_served_elsewhere, config_parser
 
 ENDPOINT_ERROR = "endpoint"  # prefix of Trajectory.error for a failed chat request (status env_error)
 
@@ -48,6 +48,7 @@ class EvalConfig:
     env: str = arg("textcraft", "environment: textcraft, babyai, corridor, ...")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
     split: str = arg("test", "task split to evaluate (the server's /tasks splits)")
+    tasks_file: str | None = arg(None, "JSON task splits, for servers without /tasks (AgentGym's WebArena)")
     limit: int | None = arg(None, "evaluate only the first N tasks of the split")
     # Policy: one of checkpoint, model, endpoint; none of them: the built-in tiny model
     checkpoint: str | None = arg(None, "a training run folder: loads RUN_DIR/checkpoint/model")
@@ -83,6 +84,7 @@ def parse_args(argv=None) -> EvalConfig:
     if cfg.endpoint and not cfg.endpoint_model:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
     check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
+    check_served_elsewhere(p, cfg)
     if cfg.greedy:
         if cfg.n != 1:
             print(f"--greedy: temperature 0 plays each task the same way; n forced from {cfg.n} to 1")
@@ -118,10 +120,13 @@ def score_table(rows) -> dict:
             "by_category": {c: summary([k for k in per_task if k[0] == c]) for c in cats}}
 
 
-def categories_for(env: str, item_ids: list[int]) -> dict[int, str]:
-    """task id -> category, from the env's own `task_category`; "all" where the env has none."""
+def categories_for(env: str, item_ids: list[int], given: dict | None = None) -> dict[int, str]:
+    """task id -> category: from `given` (a --tasks-file's), else the env's own `task_category`; "all"
+    where there is neither."""
     from env_server import ENVS, get_env_class
 
+    if given:
+        return {i: given.get(i, "all") for i in item_ids}
     if env not in ENVS:
         return {i: "all" for i in item_ids}
     cls = get_env_class(env)
@@ -284,11 +289,15 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
     import torch
 
     t0 = time.time()
-    splits = Transport(url).request("GET", "/tasks", retry=True)["splits"]
+    try:
+        listed = task_splits(url, cfg.env, cfg.tasks_file)
+    except ValueError as e:
+        sys.exit(str(e))
+    splits = listed["splits"]
     if cfg.split not in splits:
         sys.exit(f"--split {cfg.split!r}: the server has {sorted(splits)}")
     tasks = list(splits[cfg.split])[: cfg.limit]
-    category = categories_for(cfg.env, tasks)
+    category = categories_for(cfg.env, tasks, listed["categories"])
     # Episode e plays task tasks[e // n] as its sample e % n; group = the task's position.
     episodes = [(g, item, j) for g, item in enumerate(tasks) for j in range(cfg.n)]
 

@@ -50,6 +50,34 @@ INSTRUCTIONS = {
         "go through <door> <n>, toggle and go through <door> <n>, toggle, drop, check available actions.\n"
         "Answer in this format:\nThought: <your reasoning>\nAction: <one action>"
     ),
+    "sciworld": (
+        "You are doing an elementary science task in a simulated world of rooms, objects, substances, "
+        "plants and animals. Each turn you get an observation and answer with one action.\n"
+        "Actions (OBJ is an object or a place): look around, look at OBJ, look in OBJ, read OBJ, go to OBJ, "
+        "open OBJ, close OBJ, pick up OBJ, put down OBJ, move OBJ to OBJ, pour OBJ into OBJ, dunk OBJ into "
+        "OBJ, mix OBJ, activate OBJ, deactivate OBJ, use OBJ, use OBJ on OBJ, connect OBJ to OBJ, "
+        "disconnect OBJ, eat OBJ, flush OBJ, focus on OBJ (marks the object the task is about: focusing on "
+        "the wrong one fails the task), wait (ten time steps), wait1 (one), inventory, task (repeats the "
+        "task).\n"
+        "Answer in this format:\nThought: <your reasoning>\nAction: <one action>"
+    ),
+    "searchqa": (
+        "You answer questions about facts you may not know, using a search engine. Each turn, reason "
+        "inside <think>...</think>, then end with exactly one block: <search>query</search> to look "
+        "something up (the results come back inside <information>...</information>), or "
+        "<answer>short answer</answer> when you are sure. Only the first block of a reply is read."
+    ),
+    "webarena": (
+        "You are an agent operating a web browser to complete a task. Each turn you get the task's "
+        "objective, the current page as an accessibility tree (every element has an [id]), its URL and "
+        "your previous action; answer with one action.\n"
+        "Actions: click [id], type [id] [text] [1 to press Enter after typing, 0 not to], hover [id], "
+        "press [key combination], scroll [up or down], new_tab, tab_focus [tab index], close_tab, "
+        "goto [url], go_back, go_forward, and stop [answer] when the task is done (the answer in the "
+        "brackets; N/A when the task cannot be done).\n"
+        "Think step by step, then end your reply with the single action inside triple backticks, e.g. "
+        "In summary, the next action I will perform is ```click [1234]```"
+    ),
     "corridor": "You are in a corridor. Each turn answer left or right to walk toward the goal.",
 }
 ACK = "OK. I will follow these instructions."
@@ -68,7 +96,11 @@ def opening_messages(env: str, first_observation: str) -> list[dict]:
 
 
 def react_reply(env: str, action: str, thought: str | None = None) -> str:
-    """An assistant reply in the react format, e.g. for expert demonstrations."""
+    """An assistant reply in the env's format (Thought/Action; Deep Search: <think> then the tag block),
+    e.g. for expert demonstrations."""
+    if env == "searchqa":
+        kind = "answer" if action.startswith("<answer>") else "search"
+        return f"<think>{thought or 'I will ' + kind + '.'}</think>\n{action}"
     return f"Thought: {thought or 'I will ' + action + '.'}\nAction: {action}"
 
 

@@ -106,7 +106,7 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                 parsed = parse_action(env_name, reply)  # the env sees what the parser makes of the reply
                 r = env.step(parsed.action)
                 t.messages.append({"role": "user", "content": r.observation})
-                t.reward = r.reward
+                t.reward = r.score if r.score is not None else r.reward  # what the HTTP client reports
                 if r.done:
                     t.status = "done"
                     break

@@ -28,8 +28,8 @@ import torch
 from tqdm import tqdm
 
 import algos
-from env_client import EnvPool, Transport
-from rollout import ChatFormat, HFEngine, RolloutConfig, build_batch, length_buckets, rollout, write_log
+from env_client import EnvPool, task_splits
+from rollout import INSTRUCTIONS, ChatFormat, HFEngine, RolloutConfig, build_batch, length_buckets, rollout, write_log
 from scheduler import make_schedule
 
 
@@ -42,6 +42,7 @@ class Config:
     # Environment
     env: str = arg("textcraft", "environment: textcraft, babyai, corridor, ...")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
+    tasks_file: str | None = arg(None, "JSON task splits, for servers without /tasks (AgentGym's WebArena)")
     # Horizon schedule (ScalingInter-RL)
     schedule: str = arg("10,20,30", "turn horizons: '15' fixed, '10,20,30' grows stage by stage")
     schedule_every: int | None = arg(None, "steps per stage (default: steps / number of stages)")
@@ -81,6 +82,7 @@ class Config:
     eval_every: int = arg(12, "evaluate on held-out test tasks every N steps, before the first and after the "
                               "last (0: never)")
     eval_tasks: int = arg(52, "test tasks per evaluation, spread over the split (0: all)")
+    eval_batch: int = arg(64, "held-out episodes played at once: env instances, beside training's (SciWorld: JVMs)")
     eval_turns: int | None = arg(None, "horizon of the evaluation episodes (default: the schedule's largest)")
     # Run
     seed: int = arg(0, "seed of task order, sampling and init")
@@ -113,10 +115,27 @@ def check_positive(p: argparse.ArgumentParser, cfg, names) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
 
 
+def check_served_elsewhere(p: argparse.ArgumentParser, cfg) -> None:
+    """An env this project does not serve (WebArena) needs the address of its server, and a model: the
+    built-in tiny model is made from the text of the envs served here."""
+    from env_server import ENVS
+
+    if cfg.env in ENVS:
+        return
+    if cfg.env not in INSTRUCTIONS:
+        p.error(f"--env {cfg.env!r}: not one of {sorted(set(ENVS) | set(INSTRUCTIONS))}")
+    if cfg.env_addr is None:
+        p.error(f"--env {cfg.env} is served by another project: give its server's address with --env-addr")
+    if getattr(cfg, "model", None) is None and getattr(cfg, "checkpoint", None) is None \
+            and getattr(cfg, "endpoint", None) is None:
+        p.error(f"--env {cfg.env} needs --model: the built-in tiny model only knows the envs served here")
+
+
 def parse_args(argv=None) -> Config:
     p = config_parser(Config, __doc__)
     cfg = Config(**vars(p.parse_args(argv)))
-    check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens"))
+    check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens",
+                            "eval_batch"))
     if cfg.mini_batch_size is not None and not 1 <= cfg.mini_batch_size:
         p.error("--mini-batch-size must be at least 1")
     if cfg.dual_clip is not None and cfg.dual_clip <= 1:
@@ -125,6 +144,7 @@ def parse_args(argv=None) -> Config:
         p.error("--max-context must be larger than --max-new-tokens")
     if cfg.resume and not cfg.out:
         p.error("--resume needs --out: the run folder to continue")
+    check_served_elsewhere(p, cfg)
     if cfg.lr is None:
         cfg.lr = 1e-6 if cfg.model else 3e-4
     for name in ("eval_every", "eval_tasks"):
@@ -325,8 +345,13 @@ def main(cfg: Config) -> dict:
 
 
 def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
-    tasks = Transport(url).request("GET", "/tasks", retry=True)
-    train_ids = tasks["splits"]["train"]
+    try:
+        tasks = task_splits(url, cfg.env, cfg.tasks_file)
+    except ValueError as e:
+        sys.exit(str(e))
+    train_ids = tasks["splits"].get("train")
+    if not train_ids:
+        sys.exit(f"no training tasks at {url}" + (f" in --tasks-file {cfg.tasks_file}" if cfg.tasks_file else ""))
     init_path = cfg.model or default_model_path(cfg.env, cfg.cache_dir)  # initial policy, KL reference
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -360,6 +385,7 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
         for name in ("metrics.jsonl", "eval.jsonl"):
             _truncate_metrics(os.path.join(cfg.out, name), st["step"])
     test_ids = spread(tasks["splits"].get("test", []), cfg.eval_tasks)
+    categories = tasks["categories"]
     eval_K = cfg.eval_turns or max(int(k) for k in cfg.schedule.split(","))
     evals: list[dict] = []
     if ckpt and os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # a resumed run: earlier evaluations
@@ -368,7 +394,7 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
 
     def held_out(step: int) -> None:
         if cfg.eval_every and test_ids:
-            r = evaluate_held_out(cfg, engine, fmt, url, test_ids, eval_K, step)
+            r = evaluate_held_out(cfg, engine, fmt, url, test_ids, eval_K, step, categories)
             evals.append(r)
             with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
                 f.write(json.dumps(r) + "\n")
@@ -435,7 +461,8 @@ def spread(ids: list[int], k: int) -> list[int]:
     return [ids[i * len(ids) // k] for i in range(k)]
 
 
-def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K: int, step: int) -> dict:
+def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K: int, step: int,
+                      categories: dict | None = None) -> dict:
     """One sampled episode per held-out test task at horizon K, at the training temperature (the paper
     evaluates at 1), with a fixed seed so every evaluation draws the same random numbers. Success = done
     with reward > 0; env errors are left out and counted."""
@@ -445,11 +472,11 @@ def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K
     rcfg = RolloutConfig(max_turns=K, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
                          temperature=cfg.temperature, top_p=cfg.top_p)
     gen = torch.Generator().manual_seed(cfg.seed + 12345)
-    trajs = play_in_chunks(url, 64, test_ids, list(range(len(test_ids))),
+    trajs = play_in_chunks(url, cfg.eval_batch, test_ids, list(range(len(test_ids))),
                            lambda pool, items, groups: rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, gen),
                            desc=f"held-out eval @ step {step}", leave=False)
     kept = [t for t in trajs if t.status != "env_error"]
-    cat = categories_for(cfg.env, test_ids)
+    cat = categories_for(cfg.env, test_ids, categories)
     by_cat: dict[str, list[float]] = {}
     for t in kept:
         by_cat.setdefault(cat[t.item_id], []).append(float(t.status == "done" and t.reward > 0))

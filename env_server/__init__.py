@@ -8,6 +8,8 @@ from .base import Env, StepResult, TaskError
 ENVS = {
     "textcraft": "env_server.textcraft:TextCraftEnv",
     "babyai": "env_server.babyai:BabyAIEnv",
+    "sciworld": "env_server.sciworld:SciWorldEnv",
+    "searchqa": "env_server.searchqa:SearchQAEnv",
     "corridor": "env_server.corridor:CorridorEnv",  # a sanity-check game for learning tests
 }
 

@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     p.add_argument("--idle-timeout", type=float, default=900.0,
                    help="close instances idle for this many seconds (0: never)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (413 past it)")
-    name = p.parse_known_args(argv)[0].name if argv and not argv[0].startswith("-") else None
+    name = argv[0] if argv and argv[0] in ENVS else None  # before parsing, so --help lists its flags
     env_cls = get_env_class(name) if name in ENVS else None
     if env_cls is not None:
         env_cls.add_args(p.add_argument_group(f"{name} options"))

@@ -30,6 +30,17 @@ def raw(url: str, method: str, path: str, body=None, headers=None):
         return resp.status, data
 
 
+def play_expert(env, task: int, budget: int) -> tuple[float, int]:
+    """Play task with the env's expert (an Env in-process or an EnvClient over HTTP); return (the last
+    step's value, turns), or (0, budget) when the episode did not end."""
+    env.reset(task)
+    for turn in range(1, budget + 1):
+        step = env.step(env.expert_action())
+        if step.done:
+            return step.reward, turn
+    return 0.0, budget
+
+
 def sampled_runs(t):
     """The runs of consecutive loss-mask-1 ids of a trajectory: one per reply."""
     runs, cur = [], []

@@ -39,7 +39,8 @@ def test_other_parsers():
     assert parse_search_answer("<think>hm</think><search>who is x</search><answer>y</answer>").action \
         == "<search>who is x</search>"
     assert parse_search_answer("no tags").action == ""
-    assert parse_action("webarena", "click [12]").action == "click [12]"
+    assert parse_action("webarena", "so: ```click [12]```").action == "so: ```click [12]```"
+    assert parse_action("webarena", "click [12]").action is None  # no ``` block: refused client-side
     with pytest.raises(ValueError, match="no action parser for env 'nope'"):
         parse_action("nope", "x")
 
@@ -157,7 +158,7 @@ def agentgym_like(dialect: str) -> Flask:
         task = b["idx"] if dialect == "webarena" else b["data_idx"]
         games[b[key]] = {"task": task, "n": 0}
         if dialect == "webarena":
-            return jsonify({"status": "ok"})  # WebArena's reset has no observation: the client asks
+            return jsonify({"observation": "bare page"})  # the prompt comes from /observation
         return jsonify({key: b[key], "observation": f"task {task}", "reward": 0, "done": False})
 
     @app.post("/step")

@@ -8,13 +8,13 @@ import sys
 import threading
 
 import pytest
-from conftest import ROOT, raw
+from conftest import ROOT, play_expert, raw
 
 from env_client import EnvClient, EnvError, EnvPool
 from env_server.app import ServerProcess
 
-ENVS = ["textcraft", "babyai"]
-TURN_BUDGET = {"textcraft": 30, "babyai": 64}
+ENVS = ["textcraft", "babyai", "searchqa"]
+TURN_BUDGET = {"textcraft": 30, "babyai": 64, "searchqa": 5}
 
 
 @pytest.fixture(scope="module", params=ENVS)
@@ -22,16 +22,6 @@ def server(request):
     with ServerProcess(request.param) as s:
         s.name = request.param
         yield s
-
-
-def play_expert(client: EnvClient, task: int, budget: int) -> tuple[float, int]:
-    """Play task with the env's expert through the HTTP client; return (final value, turns)."""
-    client.reset(task)
-    for turn in range(1, budget + 1):
-        step = client.step(client.expert_action())
-        if step.done:
-            return step.reward, turn
-    return 0.0, budget
 
 
 def test_every_endpoint(server):

@@ -1,0 +1,356 @@
+"""SciWorld: ScienceWorld's elementary-science tasks, played on the `scienceworld` package's simulator.
+
+Follows AgentGym's agentenv-sciworld, the SciWorld server AgentGym-RL trains on:
+- the games are the package's task types in its order (1-1 boil ... 10-2), every variation of each,
+  except the seven types upstream leaves out (5-1/5-2 grow plant/fruit, 9-1..9-3 inclined planes,
+  10-1/10-2 Mendelian genetics): 23 types, 4,639 (task, variation) games; task id = position in that list;
+- reset loads (task, variation) and plays "look around"; the agent's first observation is the task
+  description, a newline, then the look-around text (upstream's server returns the two apart and
+  AgentGym's client joins them so);
+- actions go to the simulator as typed (it answers "No known action matches that input." itself);
+- done when the task is completed, when the score turns negative (a fatal mistake, such as focusing on
+  the wrong object) or after more than 100 simulated moves (the package's own step limit).
+
+Score and reward: the package scores 0-100 and reports -100 after a fatal mistake. We report it divided
+by 100: `score` is the episode's score so far (1.0 = task completed, -1.0 = failed; what the trainer
+reads, as for BabyAI) and `reward` the change of score in this step. Upstream hands the trainer the raw
+0-100 score, which does not fit a reward where success = 1.
+
+Departures from upstream:
+- The game list is shipped (data/sciworld_splits.json, written from the package by
+  `python -m env_server.sciworld --write-splits`) instead of being read from a JVM at every /create (where
+  upstream appends it again each time), so ids are known without a JVM and are the same everywhere.
+  Splits are the package's own train/dev/test variations of each task type.
+- A step calls the simulator directly, not `ScienceWorldEnv.step`, which also computes the look-around,
+  inventory and every valid action after each step (~200 ms of a ~210 ms step) for upstream to drop.
+- Besides the simulated-move limit, an episode ends after 100 steps: free actions (look around,
+  inventory, task, anything unrecognised) take no simulated time, so without it an episode could run
+  forever.
+- A step after done, or before reset, is an error (409) [upstream: an error string with HTTP 200].
+The simulator itself is not exactly reproducible: two loads of one game can list objects in another
+order or read temperatures a degree apart. A task id always means the same game (the same objects).
+
+Expert: the package's gold action sequence for the game, generated on the first `expert_action` of an
+episode (generating it makes a load ~10x slower, 0.5 s on average and up to several seconds, so resets
+that never ask skip it). That reloads the game with the gold path and replays the episode's actions, so
+the state is the one played up to the noise above. Gold paths also differ between loads (which of two
+plants, the order of opening cupboards), so one is generated per episode and kept. The expert answers
+the first gold action the agent has not taken yet, as long as the agent has followed the gold path:
+actions that take no simulated time (unknown commands, look around, inventory, task) are ignored; after
+any other action off the path, the gold path no longer applies and the expert answers None.
+
+JVMs: every instance runs its own simulator JVM, started on its first reset (~2 s) and reused by later
+resets, and shut down by close(). A process runs at most --max-jvms of them (a reset past that is a
+503) with a heap of at most --jvm-heap-mb each. A JVM that dies (killed, crashed: py4j loses its
+connection) turns into a 503 for its own instance only; the next reset of that instance starts a new JVM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import Env, StepResult, TaskError
+
+SPLITS_PATH = Path(__file__).parent / "data" / "sciworld_splits.json"
+EXCLUDED_TYPES = ("5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2")  # as agentenv-sciworld's `exceptions`
+MAX_STEPS = 100  # upstream's step limit (the package's envStepLimit default)
+DEFAULT_JVM_HEAP_MB = 512  # the JVM default (a quarter of RAM) lets each grow past 1.5 GB on gold paths
+JVM_OVERHEAD_MB = 256  # a JVM's memory beyond its heap (code, metaspace, threads), roughly
+LOOK_AROUND = "look around"  # what reset plays, as upstream; it takes no simulated time
+_USER_JAVA_OPTIONS = os.environ.get("JAVA_TOOL_OPTIONS", "")
+
+# The package logs every load at INFO, and py4j logs each of its dozens of failed connections to a dead
+# JVM with a traceback at ERROR; _game reports a lost JVM once, as a 503 and a warning.
+logging.getLogger("scienceworld").setLevel(logging.WARNING)
+logging.getLogger("py4j").setLevel(logging.CRITICAL)
+log = logging.getLogger("env_server.sciworld")
+
+
+@dataclass(frozen=True)
+class World:
+    games: tuple[tuple[str, int], ...]  # task id -> (task type name, variation)
+    codes: dict[str, str]  # task type name -> the paper's number, e.g. "boil" -> "1-1"
+    splits: dict[str, list[int]]  # "train" / "dev" / "test" -> task ids
+    max_jvms: int
+    jvm_heap_mb: int
+
+
+def default_max_jvms(heap_mb: int) -> int:
+    """As many JVMs as fit in this machine's memory at their largest, at most 128 (upstream trains 16
+    tasks x 8 samples at once): past the cap a reset is a clear 503 rather than an out-of-memory kill."""
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return max(1, min(128, ram_mb // (heap_mb + JVM_OVERHEAD_MB)))
+
+
+def build_world(table: dict, max_jvms: int, jvm_heap_mb: int) -> World:
+    """Games and splits from the shipped table: each task type's variations in order, ids counting up."""
+    games, codes, splits = [], {}, {"train": [], "dev": [], "test": []}
+    for t in table["task_types"]:
+        split_of = {v: split for split in splits for v in t[split]}
+        if sorted(split_of) != list(range(sum(len(t[split]) for split in splits))):
+            raise ValueError(f"{SPLITS_PATH}: the variations of {t['name']} are not 0..n-1 split once each")
+        codes[t["name"]] = t["code"]
+        for variation in range(len(split_of)):
+            splits[split_of[variation]].append(len(games))
+            games.append((t["name"], variation))
+    return World(tuple(games), codes, splits, max_jvms, jvm_heap_mb)
+
+
+def same_action(a: str, b: str) -> bool:
+    """Equal up to case and spacing (the simulator reads both the same)."""
+    return a.lower().split() == b.lower().split()
+
+
+class SciWorldEnv(Env):
+    name = "sciworld"
+    batch_threads = 16  # /batch ops wait on their JVMs, not on the GIL: run them side by side
+
+    # JVMs alive in this process, every instance together; the cap is the world's max_jvms.
+    _jvms_alive = 0
+    _jvms_lock = threading.Lock()
+
+    # ---- world: the game list and the package's splits ----
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--max-jvms", type=int, default=None,
+                            help="simulator JVMs this server may run at once, one per instance that has "
+                                 "been reset (a reset past it is a 503); default: as many as fit in RAM "
+                                 "at heap + 256 MB each, at most 128")
+        parser.add_argument("--jvm-heap-mb", type=int, default=DEFAULT_JVM_HEAP_MB,
+                            help="largest Java heap of each JVM, in MB")
+
+    @classmethod
+    def load_world(cls, args: argparse.Namespace | None = None) -> World:
+        heap_mb = getattr(args, "jvm_heap_mb", DEFAULT_JVM_HEAP_MB)
+        max_jvms = getattr(args, "max_jvms", None)
+        if max_jvms is None:
+            max_jvms = default_max_jvms(heap_mb)
+        if max_jvms < 1 or heap_mb < 64:
+            raise ValueError(f"--max-jvms must be at least 1 and --jvm-heap-mb at least 64, "
+                             f"got {max_jvms} and {heap_mb}")
+        return build_world(json.loads(SPLITS_PATH.read_text()), max_jvms, heap_mb)
+
+    @classmethod
+    def num_tasks(cls, world: World) -> int:
+        return len(world.games)
+
+    @classmethod
+    def splits(cls, world: World) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in world.splits.items()}
+
+    @classmethod
+    def task_category(cls, world: World, idx: int) -> str:
+        return world.games[idx][0]
+
+    # ---- one instance ----
+    def __init__(self, world: World):
+        super().__init__(world)
+        self._sw = None  # the package's ScienceWorldEnv: one JVM, started on the first reset
+        self.idx: int | None = None
+
+    def _start_jvm(self) -> None:
+        with SciWorldEnv._jvms_lock:
+            if SciWorldEnv._jvms_alive >= self.world.max_jvms:
+                raise TaskError(f"all {self.world.max_jvms} ScienceWorld JVMs of this server are in use "
+                                "(--max-jvms): close other instances or raise the cap", 503)
+            SciWorldEnv._jvms_alive += 1
+            # The package starts java without options, so the heap cap goes through the environment;
+            # written under the lock and only when it changes, since other threads may be starting JVMs.
+            options = f"{_USER_JAVA_OPTIONS} -Xmx{self.world.jvm_heap_mb}m".strip()
+            if os.environ.get("JAVA_TOOL_OPTIONS") != options:
+                os.environ["JAVA_TOOL_OPTIONS"] = options
+        try:
+            from scienceworld import ScienceWorldEnv
+            self._sw = ScienceWorldEnv()
+        except Exception as e:
+            self._release_jvm_slot()
+            raise TaskError(f"could not start a ScienceWorld JVM: {type(e).__name__}: {e}", 503) from e
+
+    def _release_jvm_slot(self) -> None:
+        with SciWorldEnv._jvms_lock:
+            SciWorldEnv._jvms_alive -= 1
+
+    def _stop_jvm(self) -> None:
+        """Shut the JVM down (killing it if it does not exit) and give its slot back."""
+        sw, self._sw = self._sw, None
+        if sw is None:
+            return
+        proc = sw._gateway.java_process
+        try:
+            sw.close()
+        except Exception as e:  # a dead JVM's gateway can fail to shut down: the kill below settles it
+            log.warning("ScienceWorld gateway shutdown failed: %s: %s", type(e).__name__, e)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._release_jvm_slot()
+
+    def _game(self, fn, *args):
+        """fn(*args) on the JVM. A lost JVM (killed, crashed, connection gone) is stopped and becomes a 503
+        for this instance; an exception thrown inside the simulator passes on (a game bug: HTTP 500)."""
+        from py4j.protocol import Py4JError, Py4JJavaError
+
+        try:
+            return fn(*args)
+        except Py4JJavaError:
+            raise  # the JVM answered: it is alive
+        except Py4JError as e:
+            pid = self._jvm_pid()
+            log.warning("ScienceWorld JVM pid %s lost: %s: %s", pid, type(e).__name__, e)
+            self._stop_jvm()
+            raise TaskError(f"the ScienceWorld JVM (pid {pid}) of this instance is gone ({e}); "
+                            "reset to start a new one", 503) from e
+
+    def _require_task(self) -> None:
+        if self.idx is None:
+            raise TaskError("no task yet: call reset first", 409)
+
+    def _require_jvm(self) -> None:
+        if self._sw is None:  # after a reset there is one: the JVM died during this episode
+            raise TaskError("the ScienceWorld JVM of this instance died during this episode: "
+                            "reset to start a new one", 503)
+
+    def reset(self, idx: int) -> str:
+        n = self.num_tasks(self.world)
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+            raise TaskError(f"data_idx must be an integer in [0, {n}), got {idx!r}", 404)
+        if self._sw is None:
+            self._start_jvm()
+        task, variation = self.world.games[idx]
+        self._game(self._sw.load, task, variation, "")
+        server = self._sw.server
+        description = self._game(server.getTaskDescription)
+        look = self._game(server.step, LOOK_AROUND)
+        self.idx, self.task, self.variation, self.description = idx, task, variation, description
+        self._score100 = round(100 * self._game(server.getScore))  # as the package: an int, 0-100
+        self._moves = self._game(server.getNumMoves)
+        self._steps, self._done, self._completed = 0, False, False
+        self._history: list[tuple[str, bool]] = []  # (action, whether it took simulated time)
+        self._gold: list[str] | None = None  # generated on demand, see expert_action
+        self._last_observation = f"{description}\n{look}"
+        return self._last_observation
+
+    def step(self, action: str) -> StepResult:
+        self._require_task()
+        if self._done:
+            raise TaskError("the episode is over: call reset to start another", 409)
+        if not isinstance(action, str):
+            raise TaskError(f"action must be a string, got {type(action).__name__}")
+        self._require_jvm()
+        server = self._sw.server
+        observation = self._game(server.step, action)
+        score100 = round(100 * self._game(server.getScore))
+        completed = bool(self._game(server.getCompleted))
+        moves = self._game(server.getNumMoves)
+        self._history.append((action, moves != self._moves))
+        reward = (score100 - self._score100) / 100
+        self._score100, self._moves, self._completed = score100, moves, completed
+        self._steps += 1
+        self._done = completed or score100 < 0 or moves > MAX_STEPS or self._steps >= MAX_STEPS
+        self._last_observation = observation
+        return StepResult(observation, reward, self._done, score100 / 100,
+                          {"game_score": score100, "moves": moves, "completed": completed})
+
+    # ---- what the agent reads ----
+    def observation(self) -> str:
+        """The latest observation (the first one right after reset), as upstream's /observation."""
+        self._require_task()
+        return self._last_observation
+
+    def available_actions(self) -> list[str]:
+        """The simulator's action templates ("open OBJ", "move OBJ to OBJ", ...): the concrete valid
+        actions number in the hundreds to thousands and take ~150 ms to list."""
+        self._require_task()
+        self._require_jvm()
+        return list(self._game(self._sw.get_possible_actions))
+
+    def detail(self) -> dict:
+        if self.idx is None:
+            return {"task_id": None, "done": False, "jvm_pid": self._jvm_pid()}
+        return {
+            "task_id": self.idx, "task_type": self.task, "task_number": self.world.codes[self.task],
+            "variation": self.variation, "task_description": self.description,
+            "score": self._score100 / 100, "game_score": self._score100, "steps": self._steps,
+            "moves": self._moves, "done": self._done, "completed": self._completed, "jvm_pid": self._jvm_pid(),
+        }
+
+    def _jvm_pid(self) -> int | None:
+        return None if self._sw is None else self._sw._gateway.java_process.pid
+
+    # ---- expert: the package's gold path ----
+    def expert_action(self) -> str | None:
+        """The next gold action while the agent follows the gold path; None once done or off the path."""
+        self._require_task()
+        if self._done:
+            return None
+        if self._gold is None:
+            self._require_jvm()
+            self._game(self._load_gold)
+        position = 0
+        for action, took_time in self._history:
+            if position < len(self._gold) and same_action(action, self._gold[position]):
+                position += 1
+            elif took_time:
+                return None  # left the gold path: it may no longer lead anywhere
+        return self._gold[position] if position < len(self._gold) else None
+
+    def _load_gold(self) -> None:
+        """Reload the game with its gold path and replay the episode so far (see the module docstring)."""
+        sw = self._sw
+        sw.load(self.task, self.variation, "", generateGoldPath=True)
+        self._gold = list(sw.get_gold_action_sequence())
+        sw.server.step(LOOK_AROUND)
+        for action, _ in self._history:
+            sw.server.step(action)
+        self._score100 = round(100 * sw.server.getScore())
+        self._moves = sw.server.getNumMoves()
+
+    def close(self) -> None:
+        self._stop_jvm()
+
+
+def write_splits() -> None:
+    """Write SPLITS_PATH from the installed package (one JVM): each kept task type's variations by split."""
+    from scienceworld import ScienceWorldEnv, __version__
+
+    sw = ScienceWorldEnv()
+    try:
+        types = []
+        for code, name in sw.tasks.items():  # the package's task order, which is upstream's game order
+            if code in EXCLUDED_TYPES:
+                continue
+            sw.load(name, 0, "")
+            types.append({"code": code, "name": name, "train": sw.get_variations_train(),
+                          "dev": sw.get_variations_dev(), "test": sw.get_variations_test()})
+    finally:
+        sw.close()
+    table = {"source": f"scienceworld {__version__}, task types but {', '.join(EXCLUDED_TYPES)} "
+                       "(as AgentGym's agentenv-sciworld); variations by the package's own splits",
+             "task_types": types}
+    SPLITS_PATH.write_text(json.dumps(table) + "\n")
+
+
+def main() -> None:
+    """`python -m env_server.sciworld [--write-splits]` prints (or rewrites) the game list."""
+    parser = argparse.ArgumentParser(description="SciWorld game list tools")
+    parser.add_argument("--write-splits", action="store_true",
+                        help=f"regenerate {SPLITS_PATH} from the installed scienceworld package (starts a JVM)")
+    args = parser.parse_args()
+    if args.write_splits:
+        write_splits()
+    world = SciWorldEnv.load_world()
+    sizes = {k: len(v) for k, v in world.splits.items()}
+    print(f"{len(world.games)} games of {len(world.codes)} task types; splits {sizes}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""SciWorld environment (env_server/sciworld.py): the game list and splits (no JVM needed), then the real
+server over HTTP (`python -m env_server sciworld`, one JVM per instance): endpoints, bad input, the
+expert, score and episode ends, the JVM cap, and a killed JVM. JVMs are slow to start (~2 s), so one
+server, capped at two JVMs, serves the whole file and one shared instance plays the games."""
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import time
+
+import pytest
+from conftest import raw
+
+from env_client import EnvClient, EnvError
+from env_server import get_env_class
+from env_server.app import ServerProcess
+from env_server.sciworld import EXCLUDED_TYPES, SciWorldEnv
+
+MAX_JVMS = 2  # the shared instance's and one more
+MISSING = ("the scienceworld package is not installed" if importlib.util.find_spec("scienceworld") is None
+           else "java is not on PATH" if shutil.which("java") is None else None)
+needs_jvm = pytest.mark.skipif(MISSING is not None, reason=f"ScienceWorld cannot run: {MISSING}")
+
+
+@pytest.fixture(scope="module")
+def world():
+    return SciWorldEnv.load_world()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("sciworld", "--max-jvms", str(MAX_JVMS)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The instance that plays the games: its JVM lives from the first test that uses it to the end."""
+    c = EnvClient(server.url)
+    c.reset(0)
+    yield c
+    c.close()
+
+
+def first_test_id(world, task_type: str) -> int:
+    return next(i for i in world.splits["test"] if world.games[i][0] == task_type)
+
+
+def play_expert(client: EnvClient, task: int) -> tuple[float, int]:
+    """Play task with the expert through the HTTP client; return (final score, steps)."""
+    client.reset(task)
+    for steps in range(1, 101):
+        action = client.expert_action()
+        assert action is not None, (task, steps, client.detail())
+        step = client.step(action)
+        if step.done:
+            return step.reward, steps
+    return step.reward, steps
+
+
+# ---- the game list: no JVM needed ----
+def test_game_list_as_upstream(world):
+    assert get_env_class("sciworld") is SciWorldEnv
+    assert SciWorldEnv.num_tasks(world) == len(world.games) == 4639
+    assert len(world.codes) == 23 and not set(world.codes.values()) & set(EXCLUDED_TYPES)
+    # The package's order (1-1 ... 8-2), every variation in turn: the ids upstream's list gives.
+    assert world.games[0] == ("boil", 0) and world.games[29] == ("boil", 29) and world.games[30] == ("melt", 0)
+    assert world.games[-1] == ("identify-life-stages-2", 9)
+    assert world.games[-11] == ("identify-life-stages-1", 13)
+    assert SciWorldEnv.task_category(world, 30) == "melt"
+    assert SciWorldEnv.load_world() == world
+
+
+def test_splits_are_the_package_variation_splits(world):
+    splits = SciWorldEnv.splits(world)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 2312, "dev": 1156, "test": 1171}
+    assert sorted(sum(splits.values(), [])) == list(range(4639))
+    boil_test = [world.games[i] for i in splits["test"] if world.games[i][0] == "boil"]
+    assert boil_test == [("boil", v) for v in range(21, 30)]  # the package's test variations of boil
+
+
+def test_jvm_flags():
+    assert SciWorldEnv.load_world(argparse.Namespace(max_jvms=3, jvm_heap_mb=256)).max_jvms == 3
+    assert 1 <= SciWorldEnv.load_world().max_jvms <= 128  # default: what fits in this machine's memory
+    for bad in ({"max_jvms": 0, "jvm_heap_mb": 512}, {"max_jvms": None, "jvm_heap_mb": 16}):
+        with pytest.raises(ValueError, match="--max-jvms must be at least 1"):
+            SciWorldEnv.load_world(argparse.Namespace(**bad))
+
+
+# ---- one in-process instance: the shipped table against the package, the JVM's life ----
+@needs_jvm
+def test_shipped_table_matches_the_package_and_close_stops_the_jvm(world, monkeypatch):
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)  # restored afterwards: the JVM start sets it
+    env = SciWorldEnv(world)
+    assert env.detail()["jvm_pid"] is None  # no JVM before the first reset
+    alive = SciWorldEnv._jvms_alive
+    try:
+        env.reset(0)
+        sw, pid = env._sw, env.detail()["jvm_pid"]
+        assert SciWorldEnv._jvms_alive == alive + 1
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            options = [v for v in f.read().split(b"\0") if v.startswith(b"JAVA_TOOL_OPTIONS=")]
+        assert options and options[0].endswith(f"-Xmx{world.jvm_heap_mb}m".encode())
+        kept = [(code, name) for code, name in sw.tasks.items() if code not in EXCLUDED_TYPES]
+        assert list(world.codes.items()) == [(name, code) for code, name in kept]
+        split_of = {i: split for split, ids in world.splits.items() for i in ids}
+        for _, name in kept:
+            sw.load(name, 0, "")
+            ids = [i for i, g in enumerate(world.games) if g[0] == name]
+            assert len(ids) == sw.get_max_variations(name), name
+            for split, variations in (("train", sw.get_variations_train()), ("dev", sw.get_variations_dev()),
+                                      ("test", sw.get_variations_test())):
+                assert [world.games[i][1] for i in ids if split_of[i] == split] == list(variations), name
+    finally:
+        env.close()
+    assert SciWorldEnv._jvms_alive == alive
+    assert sw._gateway.java_process.poll() is not None  # the JVM has exited
+
+
+# ---- the server ----
+@needs_jvm
+def test_every_endpoint(server, world):
+    url = server.url
+    status, h = raw(url, "GET", "/")
+    assert status == 200 and h["env"] == "sciworld" and h["num_tasks"] == 4639
+    assert raw(url, "GET", "/tasks")[1]["splits"] == SciWorldEnv.splits(world)
+    iid = raw(url, "POST", "/create", {})[1]["id"]
+    try:
+        task = first_test_id(world, "find-living-thing")
+        status, r = raw(url, "POST", "/reset", {"id": iid, "data_idx": task})
+        assert status == 200 and (r["reward"], r["score"], r["done"]) == (0, 0, False)
+        description, look = r["observation"].split("\n", 1)
+        assert description.startswith("Your task is to find a(n) living thing.")
+        assert look.startswith("This room is called the ")  # "look around", played by reset as upstream
+        assert raw(url, "GET", f"/observation?id={iid}") == (200, r["observation"])
+        status, actions = raw(url, "GET", f"/available_actions?id={iid}")
+        assert status == 200 and {"look around", "focus on OBJ", "move OBJ to OBJ"} <= set(actions)
+        status, d = raw(url, "GET", f"/detail?id={iid}")
+        assert status == 200 and d["task"] == task and d["task_description"] == description
+        assert (d["task_type"], d["task_number"], d["variation"]) == ("find-living-thing", "4-1", world.games[task][1])
+        assert (d["score"], d["steps"], d["moves"], d["done"], d["completed"]) == (0, 0, 0, False, False)
+        status, s = raw(url, "POST", "/step", {"id": iid, "action": "dance wildly"})
+        assert status == 200 and s["observation"] == "No known action matches that input."
+        assert (s["reward"], s["score"], s["done"]) == (0, 0, False)
+        status, a = raw(url, "GET", f"/expert_action?id={iid}")
+        assert status == 200 and isinstance(a, str) and a  # an unknown command did not leave the gold path
+        status, s = raw(url, "POST", "/step", {"id": iid, "action": a})
+        assert status == 200 and set(s["info"]) == {"game_score", "moves", "completed"}
+        assert raw(url, "GET", f"/detail?id={iid}")[1]["steps"] == 2
+    finally:
+        assert raw(url, "POST", "/close", {"id": iid}) == (200, True)
+
+
+@needs_jvm
+def test_bad_input(server):
+    url = server.url
+    iid = raw(url, "POST", "/create", {})[1]["id"]
+    cases = [
+        ("POST", "/reset", {"id": iid, "data_idx": 4639}, 400),
+        ("POST", "/reset", {"id": iid, "data_idx": -1}, 400),
+        ("POST", "/reset", {"id": iid, "data_idx": "3"}, 400),
+        ("POST", "/step", {"id": iid, "action": "look around"}, 409),  # no task yet
+        ("POST", "/step", {"id": iid, "action": 5}, 400),
+        ("GET", f"/observation?id={iid}", None, 409),
+        ("GET", f"/available_actions?id={iid}", None, 409),
+        ("GET", f"/expert_action?id={iid}", None, 409),
+    ]
+    for method, path, body, status in cases:
+        got, out = raw(url, method, path, body)
+        assert got == status and "error" in out, (path, body, out)
+    assert raw(url, "GET", f"/detail?id={iid}")[1]["jvm_pid"] is None  # bad input started no JVM
+    raw(url, "POST", "/close", {"id": iid})
+
+
+@needs_jvm
+def test_reset_reuses_the_jvm(client, world):
+    pid = client.detail()["jvm_pid"]
+    client.reset(first_test_id(world, "boil"))
+    assert client.detail()["jvm_pid"] == pid
+
+
+@needs_jvm
+@pytest.mark.parametrize("task_type", ["find-living-thing", "power-component", "chemistry-mix",
+                                       "lifespan-longest-lived"])
+def test_expert_solves_a_test_task(client, world, task_type):
+    score, _ = play_expert(client, first_test_id(world, task_type))
+    d = client.detail()
+    assert score == 1.0 and d["completed"] and d["score"] == 1.0 and d["game_score"] == 100, d
+    assert client.expert_action() is None
+
+
+@needs_jvm
+def test_expert_after_free_actions_and_after_leaving_the_path(client, world):
+    client.reset(first_test_id(world, "find-plant"))
+    first = client.expert_action()
+    for free in ("inventory", "look around", "fly away"):  # take no simulated time: still on the path
+        assert client.step(free).raw["info"]["moves"] == 0
+        assert client.expert_action() == first
+    client.step(first)
+    second = client.expert_action()
+    assert second not in (None, first)
+    client.step("look at agent")  # takes a move, and is not the gold action
+    assert client.detail()["moves"] == 2 and client.expert_action() is None
+
+
+@needs_jvm
+def test_expert_asked_mid_episode_replays_the_episode(client, world):
+    task = first_test_id(world, "use-thermometer")  # its gold path starts the same way in every load
+    client.reset(task)
+    first = client.expert_action()
+    client.step(first)
+    second = client.expert_action()
+    client.reset(task)  # a new episode: no gold path until the expert is asked
+    client.step(first)
+    assert client.expert_action() == second  # generated now, with the episode replayed on it
+    assert client.detail()["moves"] == 1 and client.step(second).raw["info"]["moves"] == 2
+    client.reset(task)
+    client.step("look at agent")  # off any gold path
+    assert client.expert_action() is None and client.detail()["moves"] == 1
+
+
+@needs_jvm
+def test_negative_score_ends_the_episode(client, world):
+    client.reset(first_test_id(world, "find-living-thing"))
+    step = client.step("focus on agent")  # the wrong thing to focus on: the game fails the task
+    assert step.done and step.reward == -1.0 and step.raw["reward"] == -1.0 and step.raw["info"]["game_score"] == -100
+    with pytest.raises(EnvError) as e:
+        client.step("look around")
+    assert e.value.status == 409
+
+
+@needs_jvm
+def test_episode_ends_after_100_steps(client, world):
+    client.reset(first_test_id(world, "boil"))
+    for _ in range(99):
+        assert not client.step("look around").done  # free: no simulated time passes
+    step = client.step("look around")
+    assert step.done and step.reward == 0 and client.detail()["steps"] == 100
+
+
+@needs_jvm
+def test_killed_jvm_fails_its_instance_only(server, client, world):
+    url = server.url
+    iid = raw(url, "POST", "/create", {})[1]["id"]
+    task = first_test_id(world, "find-animal")
+    try:
+        assert raw(url, "POST", "/reset", {"id": iid, "data_idx": task})[0] == 200
+        pid = raw(url, "GET", f"/detail?id={iid}")[1]["jvm_pid"]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"java" in f.read()
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # until it is a zombie (its parent, the server, has not reaped it yet)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        status, out = raw(url, "POST", "/step", {"id": iid, "action": "look around"})
+        assert status == 503 and f"JVM (pid {pid})" in out["error"] and "reset" in out["error"]
+        status, out = raw(url, "POST", "/step", {"id": iid, "action": "look around"})
+        assert status == 503 and "died" in out["error"]
+        assert raw(url, "GET", "/")[0] == 200  # the server is fine
+        client.reset(task)  # and so is the other instance
+        assert client.step("look around").observation.startswith("This room is called")
+        assert raw(url, "POST", "/reset", {"id": iid, "data_idx": task})[0] == 200  # a fresh JVM
+        assert raw(url, "GET", f"/detail?id={iid}")[1]["jvm_pid"] not in (None, pid)
+        assert raw(url, "POST", "/step", {"id": iid, "action": "look around"})[0] == 200
+    finally:
+        raw(url, "POST", "/close", {"id": iid})
+
+
+@needs_jvm
+def test_jvm_cap(server, client):
+    url = server.url
+    client.reset(0)  # holds one JVM
+    ids = [raw(url, "POST", "/create", {})[1]["id"] for _ in range(2)]
+    assert raw(url, "POST", "/reset", {"id": ids[0], "data_idx": 0})[0] == 200
+    status, out = raw(url, "POST", "/reset", {"id": ids[1], "data_idx": 0})
+    assert status == 503 and "--max-jvms" in out["error"]
+    assert raw(url, "GET", f"/detail?id={ids[1]}")[1]["jvm_pid"] is None
+    raw(url, "POST", "/close", {"id": ids[0]})  # gives its JVM back
+    assert raw(url, "POST", "/reset", {"id": ids[1], "data_idx": 0})[0] == 200
+    raw(url, "POST", "/close", {"id": ids[1]})

@@ -32,8 +32,11 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
    left out of the denominator of the sequence means; upstream's per-sequence mean divided 0 by 0.
 6. `masked_var` with fewer than two tokens returns 0 and `masked_whiten` then keeps the scale at 1
    rather than multiplying by 1/sqrt(eps) = 1e4.
-7. Log-ratios are clamped to [-20, 20] before `exp` in `policy_loss` and in the k3 estimator (verl does
-   the same), so one extreme token cannot overflow to inf and turn the gradients into NaN.
+7. Log-ratios are clamped to [-20, 20] before `exp` in `policy_loss`, in the k3 estimator and in
+   `tis_weights` (verl does the same), so one extreme token cannot overflow to inf and turn the
+   gradients into NaN.
+8. Whitening (REINFORCE++, GAE) can be left to the caller (`whiten=False`): under torchrun the trainer
+   whitens with the mean and variance of every rank's sampled tokens, as one process would.
 """
 
 from __future__ import annotations
@@ -177,27 +180,29 @@ def _check_rewards_on_sampled(token_rewards: torch.Tensor, m: torch.Tensor) -> N
         "the last sampled token (token_rewards_from_outcome).")
 
 
-def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0) -> torch.Tensor:
+def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"):
         G_t = sum_{k >= t, k sampled} gamma^(#sampled tokens from t to k, exclusive of t) r_k,
         A_t = (G_t - mean(G)) / sqrt(var(G) + 1e-8),  mean/var over all sampled tokens of the batch.
-    Returns run over sampled tokens only (departure 1); 0 where loss_mask is 0. (B, T) -> (B, T)."""
+    Returns run over sampled tokens only (departure 1); 0 where loss_mask is 0. whiten=False returns G
+    unwhitened (departure 8). (B, T) -> (B, T)."""
     r, m = _f32(token_rewards), torch.as_tensor(loss_mask) > 0
     _check_rewards_on_sampled(r, m)
     order, valid = _compact(m)
     returns = _reverse_discounted_cumsum(r.gather(1, order) * valid, gamma)  # (B, W)
     returns = _scatter_back(returns, order, r.shape)  # (B, T)
-    return masked_whiten(returns, m) * m
+    return masked_whiten(returns, m) * m if whiten else returns * m
 
 
-def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: float = 1.0):
+def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True):
     """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
     Using Generalized Advantage Estimation"), over the sampled tokens of each row in order:
         delta_t = r_t + gamma * V(next sampled token after t, 0 after the last) - V_t
         A_t     = delta_t + gamma * lam * A_(next sampled token)
         R_t     = A_t + V_t   (the critic's target, unwhitened)
     Advantages are whitened over all sampled tokens of the batch (as in PPO for LLMs, Ouyang et al.
-    2022); both outputs are 0 where loss_mask is 0, and values there are never read (departure 1).
+    2022), unless whiten=False (departure 8); both outputs are 0 where loss_mask is 0, and values there
+    are never read (departure 1).
     token_rewards, values, loss_mask (B, T) -> (advantages (B, T), returns (B, T))."""
     r, v, m = _f32(token_rewards), _f32(values), torch.as_tensor(loss_mask) > 0
     _check_rewards_on_sampled(r, m)
@@ -208,7 +213,7 @@ def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: fl
     delta = r_c + gamma * next_v - v_c  # (B, W); 0 on padding, since r, v and next_v are 0 there
     adv = _scatter_back(_reverse_discounted_cumsum(delta, gamma * lam), order, r.shape)  # (B, T)
     returns = (adv + v) * m
-    return masked_whiten(adv, m) * m, returns
+    return (masked_whiten(adv, m) if whiten else adv) * m, returns
 
 
 # ---------------------------------------------------------------------------------------- losses
@@ -233,15 +238,27 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "seq_m
     return per_seq.sum() / (tokens > 0).sum().clamp(min=1)
 
 
+def agg_denominator(loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean") -> float:
+    """What `agg_loss` divides by (before its clamp at 1): the number of sampled tokens for token_mean,
+    the number of rows with a sampled token for the sequence means. A loss over a batch split into parts
+    (micro-batches, ranks) is the sum over parts of agg_loss(part) * agg_denominator(part) / (the sum of
+    agg_denominator over the parts): what the trainer weights each part's gradient by."""
+    assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}"
+    m = _f32(loss_mask)
+    return float(m.sum() if mode == "token_mean" else (m.sum(dim=-1) > 0).sum())
+
+
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float = 0.2,
-                clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "seq_mean_token_mean"):
+                clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "seq_mean_token_mean",
+                token_weights=None):
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"), per token:
         rho_t = exp(logp_t - logp_old_t)
         L_t   = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)
     with separate low/high ranges ("clip-higher", Yu et al. 2025, "DAPO"). Optional dual clip (Ye et al.
     2020, "Mastering Complex Control in MOBA Games with Deep RL"): for A_t < 0 the loss is capped,
         L_t = min(L_t, -dual_clip * A_t),   dual_clip > 1,
-    so a huge ratio on a bad action cannot dominate the batch. Aggregated with `agg_loss`.
+    so a huge ratio on a bad action cannot dominate the batch. `token_weights` (B, T), e.g. truncated
+    importance weights (`tis_weights`), multiply L_t before aggregation with `agg_loss`.
     logprobs (with grad), old_logprobs, advantages, loss_mask (B, T) -> (loss, stats); stats holds floats:
     clip_frac (share of sampled tokens where the clipped term binds), dual_clip_frac, approx_kl
     (mean of logp_old - logp over sampled tokens, k1), ratio_mean."""
@@ -257,6 +274,8 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
         cap = -adv * dual_clip
         dual_hit = (adv < 0) & (loss_mat > cap)
         loss_mat = torch.where(dual_hit, cap, loss_mat)
+    if token_weights is not None:
+        loss_mat = loss_mat * _f32(token_weights)
     loss = agg_loss(loss_mat, loss_mask, agg)
     with torch.no_grad():
         stats = {
@@ -304,6 +323,19 @@ def kl_penalty(logprobs, ref_logprobs, kind: str = "k3", clamp: float | None = 1
         k3 = torch.exp(log_ratio) - log_ratio - 1.0
         return k3 if clamp is None else k3.clamp(-clamp, clamp)
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1/kl, k2/mse or k3/low_var_kl")
+
+
+def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training"): the sampler (e.g. vLLM, bf16 kernels) and the trainer assign different
+    probabilities to the same tokens, so the tokens were drawn from pi_sampler, not pi_old. Each token's
+    policy loss is reweighted by the truncated ratio
+        w_t = min(pi_old(y_t) / pi_sampler(y_t), C) = min(exp(logp_old_t - logp_sampler_t), C),
+    a constant (no gradient). old_logprobs: the trainer's log-probs before the update (the PPO ratio's
+    denominator); sampler_logprobs: the rollout's. (B, T) -> (B, T) float32; masking is left to the caller."""
+    assert cap > 0, f"the TIS cap must be positive, got {cap}"
+    log_ratio = (_f32(old_logprobs) - _f32(sampler_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 # ------------------------------------------------------------------------------ from logits (B,T,V)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -191,8 +192,15 @@ class HFEngine:
     def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True):
         self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
 
-    def sync_weights(self, model) -> None:
+    def sync_weights(self, model) -> float:
         self.model = model  # same process, same object: nothing to copy
+        return 0.0
+
+    def sleep(self) -> None:
+        """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
+
+    def wake_up(self) -> None:
+        """See sleep."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
@@ -251,7 +259,10 @@ class HFEngine:
                 probs = logp.exp()
                 if top_p < 1.0:
                     probs = _top_p_filter(probs, top_p)
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                if generator is not None and generator.device != probs.device:  # a CPU generator, a GPU model
+                    nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+                else:
+                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             new_ids.append(nxt)
@@ -283,6 +294,190 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
     sorted_p = sorted_p * keep
     return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+class VLLMEngine:
+    """Batched sampling with vLLM on a GPU, in the training process, with weights pushed in place.
+
+    The same contract as HFEngine: token ids in (vLLM's `TokensPrompt`), sampled ids and their sampler
+    log-probs out, the stop token kept; no text is decoded or encoded. Written against vLLM 0.33
+    (requirements-gpu.txt); vllm is imported here, never when rollout.py is.
+
+    Log-probs. Each request asks for `logprobs=0`, the log-prob of the sampled token alone, and the engine
+    is built with `logprobs_mode="processed_logprobs"`: values after temperature and top-k/top-p. vLLM's
+    default, "raw_logprobs", is log softmax of the untempered logits, off by the temperature whenever
+    T != 1. With top_p = 1 (the default, and the paper's setting) processed log-probs are
+    log softmax(logits / T), what HFEngine returns and the trainer computes. With top_p < 1 vLLM
+    renormalises over the nucleus, so its values exceed HFEngine's by -log(nucleus mass); `generate`
+    warns. `generation_config="vllm"` keeps the model's generation_config.json (Qwen's top_k=20,
+    repetition_penalty=1.05, ...) out of the sampling, and `ignore_eos=True` with `stop_token_ids`
+    makes the caller's stop ids the only ones, as in HFEngine.
+
+    Seeds. With a `generator`, each call draws one number from it and request i gets seed number + i:
+    reruns from the same generator state sample the same tokens, and the G copies of a prompt in a
+    group still sample differently. Without one, vLLM's engine seed (`seed`) drives sampling.
+
+    In-process weights. `distributed_executor_backend="external_launcher"` is vLLM's executor for engines
+    started by torchrun-like launchers: it turns V1 multiprocessing off, so the engine core and its one
+    worker live in this process (one engine per rank; RANK, WORLD_SIZE, ... are set here when no
+    launcher did). `LLM.apply_model(f)` then runs f on the worker's model with no serialisation, and f
+    calls vLLM's own checkpoint loader, `model.load_weights([(HF name, tensor), ...])`, which maps HF
+    names onto vLLM's fused weights (qkv_proj, gate_up_proj) and skips a tied lm_head. This is the
+    colocate mode of TRL. vLLM's RLHF examples (examples/rl/rlhf_ipc.py, the "ipc" weight-transfer
+    backend) are for an engine in another process (a Ray actor, an HTTP server) and ship CUDA IPC
+    handles of the trainer's tensors; in-process there is nothing to ship.
+
+    Memory. `enable_sleep_mode=True`: `sleep()` (level 1) copies the weights to CPU and frees the KV
+    cache while the trainer updates; `sync_weights` wakes the weights only (the KV cache stays free
+    while gathered buckets are alive) and `generate` wakes the rest. Level 2 would drop the CPU copy,
+    but a level-2 engine holds garbage until every weight is reloaded (vllm-project/vllm#29341), a
+    failure that shows only as bad samples.
+    """
+
+    TAGS = ("kv_cache", "weights")  # vLLM's sleep-mode memory tags
+
+    def __init__(self, model_path: str, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 seed: int = 0, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
+                 bucket_bytes: int = 1 << 30, **llm_kwargs):
+        vllm = self._import_vllm()
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(k, v)  # what torchrun sets; external_launcher reads them
+        if "MASTER_PORT" not in os.environ:
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        self.vllm, self.bucket_bytes = vllm, bucket_bytes
+        self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # None ("auto"): no cast
+        self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
+                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
+                            seed=seed, enable_prefix_caching=True,  # turns share their conversation so far
+                            enable_sleep_mode=True, distributed_executor_backend="external_launcher",
+                            logprobs_mode="processed_logprobs", generation_config="vllm", **llm_kwargs)
+        self._asleep: set[str] = set()
+        self._warned_top_p = False
+
+    @staticmethod
+    def _import_vllm():
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError("--engine vllm needs vLLM, which is not installed here: "
+                              "pip install -r requirements-gpu.txt on a CUDA machine (or use --engine hf)") from e
+        return vllm
+
+    # -------- memory: vLLM sleep mode
+    def sleep(self) -> None:
+        """Free the GPU for the update: weights to CPU, KV cache dropped (vLLM sleep level 1)."""
+        if self._asleep == set(self.TAGS):
+            return
+        if self._asleep:
+            self.wake_up()  # half awake (after a sync): one state before sleeping again
+        self.llm.sleep(level=1)
+        self._asleep = set(self.TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the memory `tags` ("weights", "kv_cache"; default both) that sleeps."""
+        want = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if not want:
+            return
+        if want == set(self.TAGS):
+            self.llm.wake_up()
+        else:  # a partial wake names its tags, as vLLM's docs do for RLHF weight updates
+            self.llm.wake_up(tags=sorted(want))
+        self._asleep -= want
+
+    # -------- generation
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None
+                 ) -> list[Sample]:
+        if not prompts:
+            return []
+        self.wake_up()
+        greedy = temperature <= 0
+        if not greedy and top_p < 1.0 and not self._warned_top_p:
+            self._warned_top_p = True
+            warnings.warn("VLLMEngine with top_p < 1: vLLM returns log-probs of the renormalised nucleus, larger "
+                          "than the trainer's log softmax(logits / T) by -log(nucleus mass); the PPO ratio is "
+                          "then below 1 on-policy.", stacklevel=2)
+        common = dict(n=1, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
+                      max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
+                      detokenize=False)
+        if generator is None or greedy:
+            params = self.vllm.SamplingParams(**common)
+        else:
+            base = int(torch.randint(0, 2**31 - len(prompts), (1,), generator=generator))
+            params = [self.vllm.SamplingParams(**common, seed=base + i) for i in range(len(prompts))]
+        outs = self.llm.generate([self.vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
+        assert len(outs) == len(prompts), f"vLLM answered {len(outs)} of {len(prompts)} prompts"
+        stop_set = set(stop_ids)
+        samples = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                                   f"{len(ids)} sampled tokens")
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
+            stopped = bool(ids) and ids[-1] in stop_set
+            if c.finish_reason == "stop" and not stopped:
+                raise RuntimeError(f"vLLM stopped on token {ids[-1] if ids else None}, not one of stop_ids "
+                                   f"{sorted(stop_set)}")
+            samples.append(Sample(ids, lps, stopped))
+        return samples
+
+    # -------- weight sync
+    @torch.no_grad()
+    def sync_weights(self, model) -> float:
+        """Copy `model`'s current weights into the engine, in place; returns the seconds it took.
+
+        Call after each optimizer step, on every rank (gathering a sharded tensor is a collective). The
+        state dict is walked in order, each FSDP2 shard (a DTensor) gathered with `full_tensor()`, cast to
+        the engine's dtype, and handed to vLLM's loader in buckets of about `bucket_bytes`: one call per
+        bucket, not per parameter, and at most one bucket of gathered tensors alive. Nothing touches
+        disk. The prefix cache is reset afterwards: its KV was computed by the old weights.
+        """
+        from torch.distributed.tensor import DTensor
+
+        t0 = time.perf_counter()
+        self.wake_up(["weights"])
+        bucket, size = [], 0
+        for name, t in model.state_dict().items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            t = t.detach() if self.dtype is None else t.detach().to(self.dtype)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                self._load(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._load(bucket)
+        if self.llm.reset_prefix_cache() is False:  # older vLLMs return None
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running?): KV computed with "
+                               "the old weights would be reused")
+        return time.perf_counter() - t0
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        def load(vllm_model):
+            return vllm_model.load_weights(weights)
+
+        self.llm.apply_model(load)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies have run before the caller frees this bucket
+
+
+def make_engine(kind: str, model, model_path: str, pad_id: int, **vllm_kwargs):
+    """The generation engine for --engine `kind`. "hf": HFEngine sampling with the trainer's own `model`
+    (`vllm_kwargs` are ignored). "vllm": a colocated VLLMEngine loaded from `model_path`, a folder with the
+    same weights as `model` (they are pushed again by `sync_weights` after each update); `vllm_kwargs` go
+    to VLLMEngine (gpu_memory_utilization, max_model_len, seed, ...)."""
+    if kind == "hf":
+        return HFEngine(model, pad_id)
+    if kind == "vllm":
+        return VLLMEngine(model_path, **vllm_kwargs)
+    raise ValueError(f"unknown engine {kind!r}: choose hf or vllm")
 
 
 # ---------------------------------------------------------------- trajectories
@@ -490,5 +685,6 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
     os.replace(tmp, path)
 
 
-__all__ = ["ChatFormat", "HFEngine", "RolloutConfig", "Sample", "Trajectory", "build_batch", "length_buckets",
-           "opening_messages", "react_reply", "rollout", "start_trajectories", "system_prompt", "write_log"]
+__all__ = ["ChatFormat", "HFEngine", "RolloutConfig", "Sample", "Trajectory", "VLLMEngine", "build_batch",
+           "length_buckets", "make_engine", "opening_messages", "react_reply", "rollout", "start_trajectories",
+           "system_prompt", "write_log"]

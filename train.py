@@ -3,33 +3,45 @@
     python train.py --env textcraft --schedule 10,20,30            # ScalingInter-RL, 3 horizon stages
     python train.py --env babyai --schedule 15 --algo ppo           # fixed horizon, PPO with a critic
     python train.py --env corridor --steps 40 --resume              # continue a run in --out
+    torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct --engine vllm
 
 Each step: the scheduler gives the turn horizon K; `batch_size` training tasks x `group_size` copies
 are played for up to K assistant turns (rollout.py); advantages come from algos.py (GRPO, RLOO,
 REINFORCE++, or GAE with a critic for PPO); the policy takes `ppo_epochs` passes of clipped policy-
 gradient updates over mini-batches, micro-batched by length. Without `--env-addr` a local env server
 is started and stopped at exit. Logs: OUT/metrics.jsonl, OUT/rollouts/step_*.jsonl, OUT/config.json;
-checkpoints in OUT/checkpoint (an HF model folder + trainer_state.pt), written atomically.
+checkpoints in OUT/checkpoint (an HF model folder + optim.pt + trainer_state.pt), written atomically.
+
+Under torchrun (one process per GPU, or per CPU slot with gloo) every rank plays batch_size / N whole
+groups, the policy, reference model and critic are sharded with FSDP2, and the update equals the one a
+single process would make on all ranks' trajectories; rank 0 writes logs and checkpoints. See the
+"distributed" section.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import datetime
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
 from env_client import EnvPool, task_splits
-from rollout import INSTRUCTIONS, ChatFormat, HFEngine, RolloutConfig, build_batch, length_buckets, rollout, write_log
+from rollout import (INSTRUCTIONS, ChatFormat, RolloutConfig, Trajectory, build_batch, length_buckets, make_engine,
+                     rollout, write_log)
 from scheduler import make_schedule
 
 
@@ -71,9 +83,15 @@ class Config:
     lam: float = arg(1.0, "GAE lambda (PPO)")
     max_grad_norm: float = arg(1.0, "gradient clipping")
     loss_agg: str = arg("seq_mean_token_mean", "loss aggregation", choices=list(algos.AGG_MODES))
+    tis_cap: float | None = arg(None, "truncated importance sampling: weight each token's policy loss by "
+                                      "min(pi_old / pi_sampler, C), this C (absent: off)")
+    grad_checkpointing: bool = arg(False, "recompute activations in the backward (less memory, ~30% slower)")
     # Generation
     model: str | None = arg(None, "HF model folder or hub name; absent: the built-in tiny model")
-    engine: str = arg("hf", "generation engine", choices=["hf"])
+    engine: str = arg("hf", "generation engine: HF generate (anywhere) or vLLM (GPU; one engine per rank)",
+                      choices=["hf", "vllm"])
+    vllm_gpu_memory: float = arg(0.5, "vLLM: share of the GPU memory for weights and KV cache")
+    vllm_tp: int = arg(1, "vLLM: tensor-parallel size")
     temperature: float = arg(1.0, "sampling temperature")
     top_p: float = arg(1.0, "nucleus sampling")
     max_new_tokens: int = arg(48, "tokens per assistant turn")
@@ -90,7 +108,8 @@ class Config:
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
     save_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
     device: str = arg("auto", "cpu, cuda or auto")
-    threads: int = arg(0, "CPU threads for torch (0: all cores but one, which the env server needs)")
+    threads: int = arg(0, "CPU threads for torch per process (0: all cores but one, which the env server needs, "
+                          "shared by the processes of this node)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
 
@@ -135,7 +154,17 @@ def parse_args(argv=None) -> Config:
     p = config_parser(Config, __doc__)
     cfg = Config(**vars(p.parse_args(argv)))
     check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens",
-                            "eval_batch"))
+                            "eval_batch", "vllm_tp"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if cfg.batch_size % world:
+        p.error(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}): each "
+                "rank plays whole groups")
+    if cfg.mini_batch_size is not None and cfg.mini_batch_size % world:
+        p.error(f"--mini-batch-size {cfg.mini_batch_size} must be divisible by the number of processes ({world})")
+    if cfg.tis_cap is not None and cfg.tis_cap <= 0:
+        p.error("--tis-cap must be positive")
+    if not 0 < cfg.vllm_gpu_memory <= 1:
+        p.error("--vllm-gpu-memory must be in (0, 1]")
     if cfg.mini_batch_size is not None and not 1 <= cfg.mini_batch_size:
         p.error("--mini-batch-size must be at least 1")
     if cfg.dual_clip is not None and cfg.dual_clip <= 1:
@@ -219,7 +248,8 @@ class Critic(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return self.head(h).squeeze(-1).float()  # (B, T)
+        v = self.head(h.to(self.head.weight.dtype))  # (B, T, 1); a bf16 body may feed an fp32 head
+        return v.squeeze(-1).float().clone()  # (B, T); not a view, which FSDP warns about as a module's output
 
 
 def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
@@ -235,9 +265,8 @@ def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = Fal
         logits = model(**ids).logits[:, :-1].float()
         sel = None
     else:
-        h = model.base_model(**ids).last_hidden_state[:, :-1]
         sel = mask > 0
-        logits = model.get_output_embeddings()(h[sel]).float()  # (n, V): the masked positions only
+        logits = _masked_logits_of(model)(sel=sel, **ids).float()  # (n, V): the masked positions only
     if temperature > 0:
         logits = logits / temperature
     targets = mb["input_ids"][:, 1:]
@@ -250,6 +279,19 @@ def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = Fal
     return lp, ent
 
 
+def masked_logits(model, sel=None, **ids) -> torch.Tensor:
+    """The LM head on the last hidden states of positions 0..T-2 where `sel` (b, T-1) is True: (n, V);
+    on all of them without `sel`: (b, T-1, V). Under FSDP it is bound to the model and registered as a
+    forward method (shard_model), so that the root's weights (embeddings, LM head) are gathered for it
+    as they are for forward()."""
+    h = model.base_model(**ids).last_hidden_state[:, :-1]
+    return model.get_output_embeddings()(h if sel is None else h[sel])
+
+
+def _masked_logits_of(model):
+    return getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
+
+
 _HEAD_SPLIT: dict = {}
 
 
@@ -260,8 +302,8 @@ def _head_split_ok(model) -> bool:
         try:
             with torch.no_grad():
                 x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
-                full = model(input_ids=x).logits
-                split = model.get_output_embeddings()(model.base_model(input_ids=x).last_hidden_state)
+                full = model(input_ids=x).logits[:, :-1]
+                split = _masked_logits_of(model)(input_ids=x)
             _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=1e-4, rtol=1e-3))
         except Exception:  # no base_model / output embeddings in the usual places
             _HEAD_SPLIT[key] = False
@@ -274,30 +316,228 @@ def shifted(batch: dict) -> dict:
     return {"mask": batch["loss_mask"][:, 1:], "old_logprobs": batch["old_logprobs"][:, 1:]}
 
 
-def micro_weight(mask_micro: torch.Tensor, mask_mini: torch.Tensor, mode: str) -> float:
-    """Share of a micro-batch in its mini-batch's loss, so that accumulated gradients equal one pass
-    over the whole mini-batch for every aggregation mode."""
-    if mode == "token_mean":
-        return float(mask_micro.sum() / mask_mini.sum().clamp(min=1))
-    return float((mask_micro.sum(-1) > 0).sum() / (mask_mini.sum(-1) > 0).sum().clamp(min=1))
+def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world: int = 1) -> float:
+    """The factor on a micro-batch's loss (aggregated over the micro-batch alone) before backward, so
+    that the gradients accumulated over micro-batches and ranks are those of the mini-batch's loss
+    aggregated over all of it, in every mode:
+        w = world * agg_denominator(micro) / denominator,
+    `denominator` being agg_denominator of the whole mini-batch on all ranks together (tokens for
+    token_mean, rows with a sampled token for the sequence means). The factor `world` undoes FSDP's
+    averaging of gradients over ranks: sum_ranks sum_micro w/world * loss_micro = the global loss."""
+    return world * algos.agg_denominator(mask_micro, mode) / max(denominator, 1.0)
+
+
+# ---------------------------------------------------------------- distributed (torchrun)
+# `torchrun --nproc-per-node N train.py ...` starts N copies of this script with RANK, WORLD_SIZE and
+# LOCAL_RANK set: one per GPU (NCCL), or N CPU processes (gloo). All ranks draw the same tasks from the
+# shared data RNG and each plays its block of whole groups (rank_items) with its own sampling seed and
+# its own env server (started per rank: N servers step envs in parallel, where one server process would
+# hold all ranks' game steps on one GIL; with --env-addr all ranks share that server). The trajectories
+# are gathered to every rank for the metrics, which are therefore over all of them. The policy, the
+# reference model and the critic are sharded with FSDP2 (shard_model); a single process keeps plain
+# modules and every helper below is then a no-op.
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, device); joins the process group when started by torchrun."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    # Ranks wait for each other at every gather: the slowest rank's rollout (or rank 0 building the
+    # warm start) must fit in the timeout.
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2),
+                            device_id=dev if dev.type == "cuda" else None)
+    return dist.get_rank(), world, dev
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sums over ranks (float64: counts stay exact)."""
+    if world_size() == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(n: int) -> int:
+    if world_size() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def all_gather_list(items: list) -> list:
+    """Every rank's list concatenated in rank order, on every rank (pickled: small objects only)."""
+    if world_size() == 1:
+        return list(items)
+    parts: list = [None] * world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def broadcast_value(value):
+    """Rank 0's value, on every rank."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def rank_items(chosen: list[int], batch_size: int, group_size: int, rank: int = 0, world: int = 1):
+    """This rank's rows of a step: (item ids, group ids). Every rank gets the same `chosen` tasks; slot
+    g = 0..batch_size-1 is a group of group_size copies of task chosen[g] (repeating the list when it
+    has fewer than batch_size tasks), and rank r plays the r-th block of batch_size / world slots. So a
+    group (whose advantages are computed within it) never straddles two ranks, group ids are global,
+    and the ranks' rows in rank order are the rows one process plays."""
+    assert batch_size % world == 0, f"batch_size {batch_size} is not divisible by the world size {world}"
+    per = batch_size // world
+    slots = range(rank * per, (rank + 1) * per)
+    return ([chosen[g % len(chosen)] for g in slots for _ in range(group_size)],
+            [g for g in slots for _ in range(group_size)])
+
+
+def shard_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it runs
+    and freed after it (and again in the backward), then the root (embeddings, final norm, LM head or
+    value head), which keeps its weights from the forward to the backward. On CUDA the units compute in
+    bf16 from fp32 master shards and reduce gradients in fp32; on CPU everything is fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
+          else MixedPrecisionPolicy())
+    layer_classes = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
+    for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    if hasattr(module, "get_output_embeddings") and module.get_output_embeddings() is not None:
+        module.masked_logits = types.MethodType(masked_logits, module)
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if hasattr(module, "masked_logits"):
+        register_fsdp_forward_method(module, "masked_logits")
+    return module
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Every FSDP unit of `model` unsharded for the duration, for HF generate: each rank generates
+    alone, for as many forward passes as its own trajectories need, so the per-layer all-gathers of a
+    sharded forward would not match across ranks. The full weights are gathered once, together."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)  # back to shard_model's settings
+        model.set_reshard_after_forward(False, recurse=False)
+        for m in units:
+            m.reshard()
+
+
+@contextlib.contextmanager
+def generating(engine, model, cfg: Config):
+    """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back to
+    sleep after, leaving the memory to the update; HF generate with the policy's weights gathered."""
+    if hasattr(engine, "wake_up"):
+        engine.wake_up()
+    try:
+        with gathered(model) if cfg.engine == "hf" else contextlib.nullcontext():
+            yield
+    finally:
+        if hasattr(engine, "sleep"):
+            engine.sleep()
+
+
+def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """algos.masked_whiten(x, mask) * mask with the mean and unbiased variance of every rank's sampled
+    tokens, i.e. what one process holding all trajectories computes."""
+    if world_size() == 1:
+        return algos.masked_whiten(x, mask) * mask
+    m = (mask > 0).float()
+    total, n = all_sum([float((x * m).sum()), float(m.sum())])
+    mean = total / max(n, 1.0)
+    (sq_dev,) = all_sum([float(((x - mean) ** 2 * m).sum())])
+    scale = 1.0 / math.sqrt(sq_dev / (n - 1) + 1e-8) if n >= 2 else 1.0  # algos: departure 6
+    return (x - mean) * scale * m
 
 
 # ---------------------------------------------------------------- checkpoints
+# OUT/checkpoint/model: the full policy as an HF folder (what eval.py, sft.py and vLLM load);
+# optim.pt: each optimizer's state (and the critic's weights) as full tensors keyed by parameter name,
+# so that a run saved by N ranks resumes on any number; trainer_state.pt (small, read by every rank):
+# step, schedule state, the data RNG, each rank's sampling and torch RNGs, the config.
 def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dict) -> None:
-    """Write OUT/checkpoint.tmp, then swap it in: an interrupted save never replaces a good one."""
-    final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(os.path.join(tmp, "model"))
-    tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    extra = {"optims": {k: o.state_dict() for k, o in optims.items()}, **state}
+    """Collective under torchrun: every rank hands its shards to rank 0, which writes
+    OUT/checkpoint.tmp and swaps it in, so an interrupted save never replaces a good one."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
+    owners = {"policy": model, "critic": critic}
+    weights = get_model_state_dict(model, options=full)
+    big = {"optims": {k: get_optimizer_state_dict(owners[k], o, options=full) for k, o in optims.items()}}
     if critic is not None:
-        extra["critic"] = critic.state_dict()
-    torch.save(extra, os.path.join(tmp, "trainer_state.pt"))
-    if os.path.exists(final):
+        big["critic"] = get_model_state_dict(critic, options=full)
+    if global_rank() == 0:
+        final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(os.path.join(tmp, "model"), state_dict=weights)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        torch.save(big, os.path.join(tmp, "optim.pt"))
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
+    """Optimizer states and critic weights from `ckpt` into the (sharded or plain) modules, whatever the
+    number of ranks that saved them; returns trainer_state.pt. The policy's weights are loaded before,
+    from ckpt/model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    st = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    full = StateDictOptions(full_state_dict=True)  # each rank cuts its shards out of the full tensors
+    big = torch.load(os.path.join(ckpt, "optim.pt"), mmap=True, weights_only=True)  # mmap: read, not copied
+    owners = {"policy": model, "critic": critic}
+    for k, o in optims.items():
+        set_optimizer_state_dict(owners[k], o, big["optims"][k], options=full)
+    if critic is not None:
+        set_model_state_dict(critic, big["critic"], options=full)
+    return st
 
 
 def find_checkpoint(out: str) -> str | None:
@@ -313,38 +553,47 @@ def main(cfg: Config) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # -------- setup
-    if cfg.out is None:
-        cfg.out = os.path.join("runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}")
-    ckpt = find_checkpoint(cfg.out) if cfg.resume else None
-    if cfg.resume and ckpt is None:
-        sys.exit(f"--resume: no checkpoint in {cfg.out}")
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
-        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-        default_model_path(cfg.env, cfg.cache_dir)
-    # An oversubscribed CPU is catastrophic for torch's OpenMP threads (100x slower when the env server
-    # takes a core they spin on), so leave one core free by default.
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-
-    server = None
-    if cfg.env_addr is None:
-        from env_server.app import ServerProcess
-        server = ServerProcess(cfg.env)
-    url = cfg.env_addr or server.url
+    rank, world, device = init_distributed(cfg.device)
     try:
-        return train(cfg, url, ckpt, device, AutoModelForCausalLM, AutoTokenizer)
+        if cfg.out is None:  # rank 0's clock names the run
+            cfg.out = broadcast_value(os.path.join(
+                "runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
+        ckpt = find_checkpoint(cfg.out) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            sys.exit(f"--resume: no checkpoint in {cfg.out}")
+        if rank == 0:
+            os.makedirs(cfg.out, exist_ok=True)
+            with open(os.path.join(cfg.out, "config.json"), "w") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        # An oversubscribed CPU is catastrophic for torch's OpenMP threads (100x slower when the env server
+        # takes a core they spin on), so leave one core free by default, shared by this node's processes.
+        threads = cfg.threads or max(1, ((os.cpu_count() or 2) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
+            if rank == 0:
+                torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+                default_model_path(cfg.env, cfg.cache_dir)
+            barrier()
+        torch.set_num_threads(threads)
+
+        server = None
+        if cfg.env_addr is None:  # one per rank (see "distributed")
+            from env_server.app import ServerProcess
+            server = ServerProcess(cfg.env)
+        url = cfg.env_addr or server.url
+        try:
+            return train(cfg, url, ckpt, device, AutoModelForCausalLM, AutoTokenizer)
+        finally:
+            if server is not None:
+                server.stop()
     finally:
-        if server is not None:
-            server.stop()
+        if world > 1:
+            dist.destroy_process_group()
 
 
 def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
+    rank, world = global_rank(), world_size()
     try:
         tasks = task_splits(url, cfg.env, cfg.tasks_file)
     except ValueError as e:
@@ -355,35 +604,52 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
     init_path = cfg.model or default_model_path(cfg.env, cfg.cache_dir)  # initial policy, KL reference
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path).to(device)
-    model.train()
     fmt = ChatFormat(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.eot_id
-    ref = AutoModelForCausalLM.from_pretrained(init_path).to(device).eval() if cfg.kl_coef > 0 else None
-    critic = Critic(model_path).to(device) if cfg.algo == "ppo" else None
+
+    def place(m: torch.nn.Module, trained: bool) -> torch.nn.Module:
+        """On the device. Under torchrun: fp32 master weights, sharded at once (shard_model), so that no
+        more than one full copy of a model is ever on a GPU; the reference model and the critic are as
+        large as the policy and are sharded too. One process keeps the checkpoint's dtype."""
+        if trained and cfg.grad_checkpointing:  # recompute each layer's activations in the backward
+            (m.body if isinstance(m, Critic) else m).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        m = m.to(device=device, dtype=torch.float32 if world > 1 else None)
+        return shard_model(m, device) if world > 1 else m
+
+    model = place(AutoModelForCausalLM.from_pretrained(model_path).train(), trained=True)
+    ref = place(AutoModelForCausalLM.from_pretrained(init_path).eval(), trained=False) if cfg.kl_coef > 0 else None
+    critic = place(Critic(model_path), trained=True) if cfg.algo == "ppo" else None
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)}
     if critic is not None:
         optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     n_stages = len(cfg.schedule.split(","))
     every = cfg.schedule_every or max(1, -(-cfg.steps // n_stages))
     schedule = make_schedule(cfg.schedule, every, cfg.schedule_kind)
-    engine = HFEngine(model, pad_id)
-    data_rng = random.Random(cfg.seed)
-    sample_gen = torch.Generator().manual_seed(cfg.seed)
+    vllm_kwargs = ({"gpu_memory_utilization": cfg.vllm_gpu_memory, "tensor_parallel_size": cfg.vllm_tp,
+                    "max_model_len": cfg.max_context} if cfg.engine == "vllm" else {})
+    engine = make_engine(cfg.engine, model, model_path, pad_id, **vllm_kwargs)  # under torchrun: one per rank
+    data_rng = random.Random(cfg.seed)  # the same on every rank: all ranks draw the same tasks
+    sample_gen = torch.Generator(gen_device(cfg, device)).manual_seed(cfg.seed + rank)
     start = 1
     if ckpt:
-        st = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        for k, o in optims.items():
-            o.load_state_dict(st["optims"][k])
-        if critic is not None:
-            critic.load_state_dict(st["critic"])
+        st = load_checkpoint(ckpt, model, critic, optims)
         schedule.load_state_dict(st["schedule"])
         data_rng.setstate(st["data_rng"])
-        sample_gen.set_state(st["sample_gen"])
-        torch.set_rng_state(st["torch_rng"])
+        rngs = st["rank_rngs"]
+        if len(rngs) == world and st["device_type"] == sample_gen.device.type:
+            sample_gen.set_state(rngs[rank]["sample_gen"])
+            torch.set_rng_state(rngs[rank]["torch_rng"])
+        else:  # another number of ranks: same data order, new sampling streams
+            if rank == 0:
+                print(f"resuming {len(rngs)} {st['device_type']} rank(s) as {world} {sample_gen.device.type} rank(s): "
+                      "the tasks continue in order, sampling from new seeds", flush=True)
+            sample_gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
+            torch.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
         start = st["step"] + 1
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            _truncate_metrics(os.path.join(cfg.out, name), st["step"])
+        if rank == 0:
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                _truncate_metrics(os.path.join(cfg.out, name), st["step"])
     test_ids = spread(tasks["splits"].get("test", []), cfg.eval_tasks)
     categories = tasks["categories"]
     eval_K = cfg.eval_turns or max(int(k) for k in cfg.schedule.split(","))
@@ -392,51 +658,58 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
         with open(os.path.join(cfg.out, "eval.jsonl")) as f:
             evals = [json.loads(x) for x in f if x.strip()]
 
-    def held_out(step: int) -> None:
+    def held_out(step: int) -> None:  # every rank plays its share of the test tasks; rank 0 writes
         if cfg.eval_every and test_ids:
-            r = evaluate_held_out(cfg, engine, fmt, url, test_ids, eval_K, step, categories)
+            with generating(engine, model, cfg):
+                r = evaluate_held_out(cfg, engine, fmt, url, test_ids, eval_K, step, categories, device)
             evals.append(r)
-            with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
-                f.write(json.dumps(r) + "\n")
-            tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} "
-                       f"test tasks (K={eval_K}, {r['time_s']:.0f}s)")
+            if rank == 0:
+                with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} "
+                           f"test tasks (K={eval_K}, {r['time_s']:.0f}s)")
 
     t_start = time.time()
     if start == 1:
         held_out(0)  # the starting policy: the baseline every later evaluation is compared with
-    n = cfg.batch_size * cfg.group_size
-    pool = EnvPool(url, n)
+    pool = EnvPool(url, cfg.batch_size // world * cfg.group_size)
     rcfg = RolloutConfig(max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
                          temperature=cfg.temperature, top_p=cfg.top_p)
     summary: dict = {}
     bar = tqdm(range(start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}", initial=start - 1, total=cfg.steps,
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=rank != 0)
     try:
         for step in bar:
-            # -------- rollout
+            # -------- rollout: this rank's whole groups; then every rank's trajectories, in rank order
             K = schedule.max_turns(step)
             rcfg.max_turns = K
             chosen = data_rng.sample(train_ids, min(cfg.batch_size, len(train_ids)))
-            item_ids = [t for t in chosen for _ in range(cfg.group_size)]
-            groups = [g for g in range(len(chosen)) for _ in range(cfg.group_size)]
-            item_ids += [chosen[0]] * (n - len(item_ids))  # fewer tasks than batch_size: pad the pool
-            groups += [groups[-1]] * (n - len(groups))
+            item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
             t0 = time.time()
-            trajs = rollout(engine, fmt, pool, cfg.env, item_ids, groups, rcfg, sample_gen)
+            with generating(engine, model, cfg):
+                trajs = rollout(engine, fmt, pool, cfg.env, item_ids, groups, rcfg, sample_gen)
+            everyone = all_gather_list(trajs)
             time_rollout = time.time() - t0
-            write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, trajs)
+            if rank == 0:
+                write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
             kept = [t for t in trajs if t.status != "env_error"]  # infrastructure failures are not rewards
-            m = rollout_metrics(trajs, kept, K, time_rollout)
+            kept_all = [t for t in everyone if t.status != "env_error"]
+            m = rollout_metrics(everyone, kept_all, K, time_rollout)
             schedule.observe(step, m["success_rate"])
 
-            # -------- advantages and update
+            # -------- advantages and update (collective: every rank, even one left without a trajectory)
             t1 = time.time()
-            if kept:
+            if kept_all:
                 m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
             m["time_update_s"] = time.time() - t1
+
+            # -------- new weights to the generation engine (HF: the same module, nothing to copy)
+            sync_s = engine.sync_weights(model)
+            m["time_sync_s"] = float(sync_s or 0.0)
             m["step"] = step
-            with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(m) + "\n")
+            if rank == 0:
+                with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(m) + "\n")
             bar.set_postfix(K=K, reward=f"{m['reward_mean']:.2f}", success=f"{m['success_rate']:.2f}")
             summary = m
 
@@ -445,13 +718,21 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
 
             # -------- checkpoint
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                rngs = all_gather_list([{"sample_gen": sample_gen.get_state(), "torch_rng": torch.get_rng_state()}])
                 state = {"step": step, "schedule": schedule.state_dict(), "data_rng": data_rng.getstate(),
-                         "sample_gen": sample_gen.get_state(), "torch_rng": torch.get_rng_state(),
-                         "config": dataclasses.asdict(cfg)}
+                         "rank_rngs": rngs, "device_type": sample_gen.device.type, "config": dataclasses.asdict(cfg)}
                 save_checkpoint(cfg.out, model, tokenizer, critic, optims, state)
     finally:
         pool.close()
+    if rank != 0:
+        return summary
     return {**summary, **print_summary(cfg, evals, time.time() - t_start)}
+
+
+def gen_device(cfg: Config, device) -> torch.device:
+    """Where the sampling generator lives: HF generate draws tokens on the model's device (a CPU
+    generator cannot drive CUDA sampling); VLLMEngine draws its per-request seeds on the CPU."""
+    return torch.device(device) if cfg.engine == "hf" else torch.device("cpu")
 
 
 def spread(ids: list[int], k: int) -> list[int]:
@@ -462,28 +743,32 @@ def spread(ids: list[int], k: int) -> list[int]:
 
 
 def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K: int, step: int,
-                      categories: dict | None = None) -> dict:
+                      categories: dict | None = None, device="cpu") -> dict:
     """One sampled episode per held-out test task at horizon K, at the training temperature (the paper
     evaluates at 1), with a fixed seed so every evaluation draws the same random numbers. Success = done
-    with reward > 0; env errors are left out and counted."""
+    with reward > 0; env errors are left out and counted. Under torchrun rank r plays every N-th task
+    from the r-th, and every rank returns the result over all of them."""
     from eval import categories_for, play_in_chunks
 
     t0 = time.time()
+    rank, world = global_rank(), world_size()
     rcfg = RolloutConfig(max_turns=K, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
                          temperature=cfg.temperature, top_p=cfg.top_p)
-    gen = torch.Generator().manual_seed(cfg.seed + 12345)
-    trajs = play_in_chunks(url, cfg.eval_batch, test_ids, list(range(len(test_ids))),
+    gen = torch.Generator(gen_device(cfg, device)).manual_seed(cfg.seed + 12345 + rank)
+    mine = test_ids[rank::world]
+    trajs = play_in_chunks(url, cfg.eval_batch, mine, list(range(len(mine))),
                            lambda pool, items, groups: rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, gen),
-                           desc=f"held-out eval @ step {step}", leave=False)
-    kept = [t for t in trajs if t.status != "env_error"]
+                           desc=f"held-out eval @ step {step}", leave=False) if mine else []
+    episodes = all_gather_list([(t.item_id, t.status, t.reward, t.turns) for t in trajs])
+    kept = [e for e in episodes if e[1] != "env_error"]
     cat = categories_for(cfg.env, test_ids, categories)
     by_cat: dict[str, list[float]] = {}
-    for t in kept:
-        by_cat.setdefault(cat[t.item_id], []).append(float(t.status == "done" and t.reward > 0))
+    for item, status, reward, _ in kept:
+        by_cat.setdefault(cat[item], []).append(float(status == "done" and reward > 0))
     n = max(1, len(kept))
-    return {"step": step, "max_turns": K, "tasks": len(kept), "env_errors": len(trajs) - len(kept),
-            "success_rate": sum(t.status == "done" and t.reward > 0 for t in kept) / n,
-            "reward_mean": sum(t.reward for t in kept) / n, "turns_mean": sum(t.turns for t in kept) / n,
+    return {"step": step, "max_turns": K, "tasks": len(kept), "env_errors": len(episodes) - len(kept),
+            "success_rate": sum(status == "done" and reward > 0 for _, status, reward, _ in kept) / n,
+            "reward_mean": sum(e[2] for e in kept) / n, "turns_mean": sum(e[3] for e in kept) / n,
             "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}
 
 
@@ -524,57 +809,84 @@ def rollout_metrics(trajs, kept, K: int, time_rollout: float) -> dict:
 
 
 def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, device) -> dict:
-    batch = {k: v.to(device) for k, v in build_batch(trajs, pad_id).items()}
+    """Advantages, then `ppo_epochs` passes of clipped policy-gradient steps over mini-batches,
+    micro-batched by length. Under torchrun each rank brings its own trajectories (whole groups) and the
+    update is the one a single process would make on all of them: whitening uses every rank's tokens,
+    and each micro-batch's loss is weighted by its share of the global loss (micro_weight). FSDP's
+    forward and backward are collectives, so every rank runs as many passes as the busiest one, the
+    extra ones on a blank row without sampled tokens (weight 0); a rank may bring no trajectory at all."""
+    world = world_size()
+    blank = [Trajectory("", -1, -1, [], [pad_id, pad_id], [0, 0], [0.0, 0.0])] if world > 1 else []
+    batch = {k: v.to(device) for k, v in build_batch(list(trajs) + blank, pad_id).items()}
     sh = shifted(batch)
-    mask = sh["mask"]  # (B, T-1)
-    B = mask.shape[0]
+    mask = sh["mask"]  # (B, T-1); under torchrun row B is the blank one
+    B = len(trajs)
     lengths = batch["attention_mask"].sum(-1).tolist()
     rows = lambda idx: {k: batch[k][idx] for k in ("input_ids", "attention_mask", "position_ids")}  # noqa: E731
+
+    def in_step(buckets: list[list[int]]) -> list[list[int]]:  # as many passes as the busiest rank
+        return buckets + [[B]] * (all_max(len(buckets)) - len(buckets))
+
+    def no_grad_pass(fn) -> torch.Tensor:  # fn(row indices) -> (b, T-1), for every row, by length buckets
+        out = torch.zeros_like(mask)
+        with torch.no_grad():
+            for idx in in_step(length_buckets(lengths[:B], cfg.micro_batch_tokens)):
+                out[idx] = fn(idx)
+        return out
 
     # -------- advantages (B, T-1), on sampled tokens only
     token_rewards = algos.token_rewards_from_outcome(batch["rewards"], mask)
     values = None
-    if cfg.algo == "grpo":
+    if cfg.algo == "grpo":  # groups are whole on each rank: nothing to share
         adv = algos.grpo_advantages(batch["rewards"], batch["group_ids"])[:, None] * mask
     elif cfg.algo == "rloo":
         adv = algos.rloo_advantages(batch["rewards"], batch["group_ids"])[:, None] * mask
     elif cfg.algo == "reinforce_pp":
-        adv = algos.reinforce_pp_advantages(token_rewards, mask, cfg.gamma)
+        adv = global_whiten(algos.reinforce_pp_advantages(token_rewards, mask, cfg.gamma, whiten=False), mask)
     else:
-        with torch.no_grad():
-            values = torch.zeros_like(mask)
-            for idx in length_buckets(lengths, cfg.micro_batch_tokens):
-                values[idx] = critic(**rows(idx))[:, :-1]  # V of the prefix that produced token t+1
-        adv, returns = algos.gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        values = no_grad_pass(lambda idx: critic(**rows(idx))[:, :-1])  # V of the prefix that produced token t+1
+        adv, returns = algos.gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam, whiten=False)
+        adv = global_whiten(adv, mask)
     ref_lp = None
     if ref is not None:
-        with torch.no_grad():
-            ref_lp = torch.zeros_like(mask)
-            for idx in length_buckets(lengths, cfg.micro_batch_tokens):
-                ref_lp[idx] = token_logprobs(ref, rows(idx), cfg.temperature, mask=mask[idx])[0]
+        ref_lp = no_grad_pass(lambda idx: token_logprobs(ref, rows(idx), cfg.temperature, mask=mask[idx])[0])
+
+    # -------- the PPO ratio's denominator: the sampler's log-probs when the sampler is this very model
+    # (HF generate), else (vLLM, or with --tis-cap) the trainer's own, recomputed before the update;
+    # truncated importance weights correct for the tokens having been drawn from the sampler.
+    sampler_lp = sh["old_logprobs"]
+    old_lp = sampler_lp
+    if cfg.tis_cap is not None or cfg.engine != "hf":
+        old_lp = no_grad_pass(lambda idx: token_logprobs(model, rows(idx), cfg.temperature, mask=mask[idx])[0])
+    tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
 
     # -------- clipped policy-gradient epochs over mini-batches, micro-batched by length
-    stats: dict[str, list[float]] = {}
-    mbs = cfg.mini_batch_size or B
-    padded = real = 0
+    # Sums over this rank, added over ranks at the end: losses weighted by their share of the global
+    # loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch per token.
+    acc = dict.fromkeys(("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
+                         "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real"), 0.0)
+    grad_norms = []
+    mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # trajectories per rank per step
+    n_minis = all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
         perm = torch.randperm(B).tolist()
-        for s in range(0, B, mbs):
-            mini = perm[s:s + mbs]
-            mini_mask = mask[mini]
+        for s in range(n_minis):
+            mini = perm[s * mbs:(s + 1) * mbs]  # may be empty on a rank with fewer trajectories
+            (denominator,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])  # over all ranks
             for o in optims.values():
                 o.zero_grad(set_to_none=True)
-            for idx_local in length_buckets([lengths[i] for i in mini], cfg.micro_batch_tokens):
-                idx = [mini[i] for i in idx_local]
+            buckets = [[mini[i] for i in b] for b in length_buckets([lengths[i] for i in mini], cfg.micro_batch_tokens)]
+            for idx in in_step(buckets):
                 mb = rows(idx)
                 T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
                 mb = {k: v[:, :T] for k, v in mb.items()}
-                mb_mask, w = mask[idx, :T - 1], micro_weight(mask[idx], mini_mask, cfg.loss_agg)
-                padded, real = padded + len(idx) * T, real + sum(lengths[i] for i in idx)
+                mb_mask = mask[idx, :T - 1]
+                w = micro_weight(mb_mask, denominator, cfg.loss_agg, world)
+                share = w / world  # of the global mini-batch loss
                 lp, ent = token_logprobs(model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
-                old = sh["old_logprobs"][idx, :T - 1]
-                loss, pst = algos.policy_loss(lp, old, adv[idx, :T - 1], mb_mask, cfg.clip_low, cfg.clip_high,
-                                              cfg.dual_clip, cfg.loss_agg)
+                loss, pst = algos.policy_loss(lp, old_lp[idx, :T - 1], adv[idx, :T - 1], mb_mask, cfg.clip_low,
+                                              cfg.clip_high, cfg.dual_clip, cfg.loss_agg,
+                                              None if tis is None else tis[idx, :T - 1])
                 entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
                 loss = loss - cfg.entropy_coef * entropy
                 kl = torch.zeros(())
@@ -586,23 +898,37 @@ def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, de
                     vloss, _ = algos.value_loss(v, values[idx, :T - 1], returns[idx, :T - 1], mb_mask,
                                                 cfg.value_clip, cfg.loss_agg)
                     (w * vloss).backward()
-                    stats.setdefault("value_loss", []).append(float(vloss.detach()))
+                    acc["value_loss"] += share * float(vloss.detach())
                 (w * loss).backward()
-                if epoch == 0:  # before any update: how far the trainer's log-probs are from the sampler's
-                    diff = algos.masked_mean((lp.detach() - old).abs(), mb_mask)
-                    stats.setdefault("logprob_diff", []).append(float(diff))
-                for k, val in (("loss", float(loss.detach())), ("entropy", float(entropy.detach())), ("kl", float(kl.detach())),
-                               ("clip_frac", pst["clip_frac"]), ("approx_kl", pst["approx_kl"])):
-                    stats.setdefault(k, []).append(val)
+                for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
+                    acc[k] += share * float(val.detach())
+                if idx == [B]:  # a blank pass: nothing to count
+                    continue
+                acc["padded"] += len(idx) * T
+                acc["real"] += sum(lengths[i] for i in idx)
+                acc["micro_batches"] += 1
+                acc["clip_frac"] += pst["clip_frac"]
+                acc["approx_kl"] += pst["approx_kl"]
+                if epoch == 0 and s == 0:  # before any update: how far the trainer's log-probs are from the sampler's
+                    sel, mb_sampler = mb_mask > 0, sampler_lp[idx, :T - 1]
+                    acc["logprob_diff"] += float((lp.detach() - mb_sampler).abs()[sel].sum())
+                    acc["logprob_kl"] += float(algos.kl_penalty(mb_sampler, lp.detach(), "k3", None)[sel].sum())
+                    acc["mismatch_tokens"] += float(sel.sum())
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            stats.setdefault("grad_norm", []).append(float(gn))
+            grad_norms.append(float(gn))
             if critic is not None:
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
             for o in optims.values():
                 o.step()
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
-    out["padding_share"] = 1 - real / max(padded, 1)
-    out["train_tokens"] = real
+    tot = dict(zip(acc, all_sum(list(acc.values()))))
+    n_steps = cfg.ppo_epochs * n_minis
+    out = {k: tot[k] / n_steps for k in ("loss", "entropy", "kl") + (("value_loss",) if critic is not None else ())}
+    out.update({k: tot[k] / max(tot["micro_batches"], 1) for k in ("clip_frac", "approx_kl")})
+    # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler), the sampler's samples
+    out.update({k: tot[k] / max(tot["mismatch_tokens"], 1) for k in ("logprob_diff", "logprob_kl")})
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["padding_share"] = 1 - tot["real"] / max(tot["padded"], 1)
+    out["train_tokens"] = int(tot["real"])
     return out
 
 
@@ -618,4 +944,5 @@ def _truncate_metrics(path: str, last_step: int) -> None:
 
 if __name__ == "__main__":
     summary = main(parse_args())
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))

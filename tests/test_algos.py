@@ -181,6 +181,17 @@ def test_advantages_no_sampled_tokens_at_all():
     assert torch.equal(adv, z) and torch.equal(ret, z)
 
 
+def test_unwhitened_advantages_whiten_to_the_default():
+    """whiten=False leaves whitening to the caller (the trainer whitens over every rank's tokens)."""
+    r, v, m, *_ = random_batch(1)
+    raw = algos.reinforce_pp_advantages(r, m, 0.9, whiten=False)
+    assert close(algos.masked_whiten(raw, m) * m, algos.reinforce_pp_advantages(r, m, 0.9))
+    adv, ret = algos.gae_advantages(r, v, m, 0.99, 0.95, whiten=False)
+    adv_w, ret_w = algos.gae_advantages(r, v, m, 0.99, 0.95)
+    assert close(algos.masked_whiten(adv, m) * m, adv_w) and torch.equal(ret, ret_w)
+    assert torch.equal(adv, adv * m)  # still 0 off the mask
+
+
 # ------------------------------------------------------------------------------------------ losses
 def test_agg_loss_modes_with_empty_row():
     loss = T_([[1.0, 2.0, 3.0], [4.0, 0.0, float("nan")], [9.0, 9.0, 9.0]])
@@ -195,6 +206,22 @@ def test_agg_loss_modes_with_empty_row():
         assert out.item() == 0.0 and not torch.isnan(leaf.grad).any()
     with pytest.raises(AssertionError):
         algos.agg_loss(loss, mask, "seq-mean")
+
+
+def test_agg_denominator_is_what_agg_loss_divides_by():
+    mask = T_([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert algos.agg_denominator(mask, "token_mean") == 3.0
+    assert algos.agg_denominator(mask, "seq_mean_token_mean") == 2.0  # the empty row does not count
+    assert algos.agg_denominator(mask, "seq_mean_token_sum") == 2.0
+    assert algos.agg_denominator(torch.zeros(0, 3), "token_mean") == 0.0
+    # a batch cut in two parts: the loss is the denominator-weighted mean of the parts' losses
+    g = torch.Generator().manual_seed(0)
+    loss, m = torch.randn(6, 5, generator=g), (torch.rand(6, 5, generator=g) < 0.6).float()
+    for mode in algos.AGG_MODES:
+        parts = [(loss[:2], m[:2]), (loss[2:], m[2:])]
+        dens = [algos.agg_denominator(pm, mode) for _, pm in parts]
+        mixed = sum(d * algos.agg_loss(pl, pm, mode) for (pl, pm), d in zip(parts, dens)) / sum(dens)
+        assert close(mixed, algos.agg_loss(loss, m, mode)), mode
 
 
 def _pg_inputs():
@@ -234,6 +261,28 @@ def test_policy_loss_extreme_ratio_stays_finite():
     loss, _ = algos.policy_loss(logp, torch.zeros(1, 2), T_([[1.0, -1.0]]), torch.ones(1, 2), dual_clip=3.0)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+def test_tis_weights_by_hand():
+    # trainer 0.5 vs sampler 0.25 -> ratio 2, capped at 1.5; 0.25 vs 0.5 -> 0.5; equal -> 1; extreme -> cap
+    old, sampler = torch.log(T_([0.5, 0.25, 0.3, 1.0])), torch.log(T_([0.25, 0.5, 0.3, 1e-30]))
+    w = algos.tis_weights(old, sampler, 1.5)
+    assert close(w, [1.5, 0.5, 1.0, 1.5]) and not w.requires_grad
+    assert close(algos.tis_weights(old, sampler, 10.0)[:3], [2.0, 0.5, 1.0])
+    with pytest.raises(AssertionError):
+        algos.tis_weights(old, sampler, 0.0)
+
+
+def test_policy_loss_token_weights():
+    """Each token's clipped loss (and its gradient) is multiplied by its weight before aggregation."""
+    logp, old, adv, m = _pg_inputs()
+    w = T_([[2.0, 1.0, 0.5, 0.0]])
+    loss, _ = algos.policy_loss(logp, old, adv, m, agg="token_mean", token_weights=w)
+    assert close(loss, (-1.2 * 2 + 0.8 - 0.5 * 0.5 + 0.0) / 4)  # per-token losses as in the clipping test
+    loss.backward()
+    assert close(logp.grad, [[0.0, 0.0, -0.5 * 0.5 / 4, 0.0]])
+    plain, _ = algos.policy_loss(logp.detach(), old, adv, m, agg="seq_mean_token_mean", token_weights=torch.ones(1, 4))
+    assert close(plain, algos.policy_loss(logp.detach(), old, adv, m)[0])
 
 
 def test_value_loss_by_hand():

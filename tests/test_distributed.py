@@ -1,0 +1,207 @@
+"""train.py under torchrun, on CPU with gloo: ranks play whole groups, the loss weights add up to the
+one-process loss, an FSDP2 update on two processes equals the one-process update on the same
+trajectories, and a run of two ranks writes one log and a checkpoint that one process resumes."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import algos
+import train
+from rollout import Trajectory
+
+
+# ---------------------------------------------------------------- pure pieces
+def test_ranks_play_whole_groups_in_one_process_order():
+    chosen = [7, 3, 9, 5]
+    one = train.rank_items(chosen, 4, 3)
+    assert one == ([7, 7, 7, 3, 3, 3, 9, 9, 9, 5, 5, 5], [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    for world in (2, 4):
+        parts = [train.rank_items(chosen, 4, 3, r, world) for r in range(world)]
+        assert sum((p[0] for p in parts), []) == one[0] and sum((p[1] for p in parts), []) == one[1]
+        groups = [set(p[1]) for p in parts]
+        assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])  # no group on two ranks
+    # fewer tasks than batch_size: the list repeats, each slot still its own group
+    assert train.rank_items([8, 6], 4, 2, 1, 2) == ([8, 8, 6, 6], [2, 2, 3, 3])
+    with pytest.raises(AssertionError):
+        train.rank_items(chosen, 3, 2, 0, 2)
+
+
+def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for flags, needle in ((["--batch-size", "3"], "--batch-size 3 must be divisible by the number of processes (2)"),
+                          (["--batch-size", "4", "--mini-batch-size", "3"], "--mini-batch-size 3 must be divisible")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--env", "corridor", *flags])
+        assert needle in capsys.readouterr().err
+    assert train.parse_args(["--env", "corridor", "--batch-size", "4", "--mini-batch-size", "2"]).batch_size == 4
+
+
+@pytest.mark.parametrize("mode", algos.AGG_MODES)
+def test_micro_weights_add_up_to_the_global_loss(mode):
+    """Rows spread unevenly over 2 ranks and cut into micro-batches (one rank holding none): the sum over
+    ranks of the FSDP-averaged, weighted micro-batch losses is agg_loss over all rows."""
+    g = torch.Generator().manual_seed(0)
+    loss_mat, mask = torch.randn(9, 6, generator=g), (torch.rand(9, 6, generator=g) < 0.5).float()
+    mask[4] = 0  # a row without sampled tokens counts in no denominator
+    for ranks in ([[0, 1, 2, 3, 4], [5, 6, 7, 8]], [[0, 1, 2, 3, 4, 5, 6, 7, 8], []]):
+        world = len(ranks)
+        denominator = sum(algos.agg_denominator(mask[r], mode) for r in ranks)
+        total = 0.0
+        for r in ranks:
+            for micro in (r[:2], r[2:3], r[3:]):
+                if micro:
+                    w = train.micro_weight(mask[micro], denominator, mode, world)
+                    total += w / world * float(algos.agg_loss(loss_mat[micro], mask[micro], mode))  # / world: FSDP
+        assert total == pytest.approx(float(algos.agg_loss(loss_mat, mask, mode)), rel=1e-5)
+
+
+# ---------------------------------------------------------------- an FSDP2 update == a one-process update
+def fixed_trajectories(model, n: int = 8, seed: int = 0) -> list[Trajectory]:
+    """n multi-turn rows of random ids (groups of 2, uneven lengths), rewarded at random, with sampler
+    log-probs = the model's own plus noise (a sampler that differs a little from the trainer)."""
+    rnd = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        ids = [rnd.randrange(1, 50) for _ in range(rnd.randint(3, 6))]
+        mask = [0] * len(ids)
+        for _ in range(rnd.randint(1, 3 if i < n // 2 else 6)):  # the second half is longer
+            reply = [rnd.randrange(1, 50) for _ in range(rnd.randint(2, 5))]
+            obs = [rnd.randrange(1, 50) for _ in range(3)]
+            ids, mask = ids + reply + obs, mask + [1] * len(reply) + [0] * len(obs)
+        trajs.append(Trajectory("corridor", i // 2, i // 2, [], ids, mask, [0.0] * len(ids), turns=1, status="done",
+                                reward=float(rnd.random() < 0.5)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in trajs:
+            x = torch.tensor([t.token_ids])
+            lp = torch.nn.functional.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+            lp = lp.gather(-1, x[0, 1:, None])[:, 0] + 0.05 * torch.randn(len(t.token_ids) - 1, generator=g)
+            t.logprobs = [0.0] + [float(v) if m else 0.0 for v, m in zip(lp, t.loss_mask[1:])]
+    return trajs
+
+
+# (flags, how the 8 rows are split over 2 ranks, whether the result must equal the one-process one)
+CASES = [
+    (["--algo", "grpo"], 4, True),
+    (["--algo", "grpo", "--loss-agg", "token_mean", "--micro-batch-tokens", "40", "--entropy-coef", "0.01",
+      "--kl-coef", "0.1", "--tis-cap", "1.5"], 4, True),  # several micro-batches, a different number per rank
+    (["--algo", "reinforce_pp", "--gamma", "0.9", "--loss-agg", "seq_mean_token_sum"], 4, True),  # global whitening
+    (["--algo", "ppo", "--lam", "0.95", "--micro-batch-tokens", "60"], 4, True),  # a sharded critic
+    (["--algo", "rloo", "--micro-batch-tokens", "60"], 8, True),  # rank 1 holds no trajectory at all
+    (["--algo", "grpo", "--grad-checkpointing", "--micro-batch-tokens", "60"], 4, True),
+    (["--algo", "grpo", "--mini-batch-size", "2", "--ppo-epochs", "2"], 6, False),  # 3 steps on rank 0, 1 on rank 1
+]
+
+
+def run_update(flags, model_dir, trajs, sharded: bool):
+    from transformers import AutoModelForCausalLM
+
+    cfg = train.parse_args(["--env", "corridor", *flags])
+    load = lambda: AutoModelForCausalLM.from_pretrained(model_dir)  # noqa: E731
+    model, ref = load(), load().eval() if cfg.kl_coef > 0 else None
+    critic = train.Critic(model_dir) if cfg.algo == "ppo" else None
+    if cfg.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # as train.py: checkpointing is active in training mode only
+    if sharded:
+        model, ref, critic = (train.shard_model(m, torch.device("cpu")) if m is not None else None
+                              for m in (model, ref, critic))
+    optims = {"policy": torch.optim.SGD(model.parameters(), lr=0.5)}
+    if critic is not None:
+        optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
+    torch.manual_seed(0)
+    stats = train.update(cfg, model, critic, ref, optims, trajs, 0, torch.device("cpu"))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank: whole tensors
+    return stats, torch.cat([v.detach().float().flatten() for _, v in sorted(full.items())])
+
+
+def _rank_main(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    trajs = torch.load(os.path.join(tmp, "trajs.pt"), weights_only=False)
+    results = []
+    for flags, split, _ in CASES:
+        mine = trajs[:split] if rank == 0 else trajs[split:]
+        stats, params = run_update(flags, os.path.join(tmp, "model"), mine, sharded=True)
+        every = [None] * world
+        torch.distributed.all_gather_object(every, params)
+        assert all(torch.equal(p, params) for p in every), f"ranks hold different weights after {flags}"
+        results.append((stats, params))
+    if rank == 0:
+        torch.save(results, os.path.join(tmp, "results.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
+    """The same fixed trajectories, split over two gloo ranks with FSDP2, give the one-process loss and
+    weights: all aggregation modes, micro-batches, global whitening, critic, reference KL, TIS, a rank
+    without trajectories, activation checkpointing. Both ranks end with identical weights, also when
+    their mini-batch counts differ."""
+    from tiny_model import build_model
+
+    model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
+    model.save_pretrained(tmp_path / "model")
+    trajs = fixed_trajectories(model)
+    torch.save(trajs, tmp_path / "trajs.pt")
+    torch.multiprocessing.spawn(_rank_main, args=(2, str(tmp_path)), nprocs=2, join=True)
+    results = torch.load(tmp_path / "results.pt", weights_only=False)
+    before = torch.cat([v.float().flatten() for _, v in sorted(model.state_dict().items())])
+    for (flags, _, comparable), (stats, params) in zip(CASES, results):
+        assert (params - before).abs().max() > 1e-4, flags  # the update did something
+        if not comparable:
+            continue
+        one_stats, one_params = run_update(flags, tmp_path / "model", trajs, sharded=False)
+        assert torch.allclose(params, one_params, atol=2e-5, rtol=1e-4), (flags, (params - one_params).abs().max())
+        for k in ("loss", "entropy", "kl", "grad_norm", "logprob_diff", "logprob_kl", "train_tokens") + \
+                (("value_loss",) if "ppo" in flags else ()):
+            assert stats[k] == pytest.approx(one_stats[k], rel=1e-4, abs=1e-6), (flags, k)
+
+
+# ---------------------------------------------------------------- torchrun end to end
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cache"))
+    train.default_model_path("corridor", path)  # built once here, not by the ranks
+    return path
+
+
+def test_torchrun_two_ranks_then_one_process_resumes(tmp_path, cache_dir):
+    out = str(tmp_path / "run")
+    common = ["train.py", "--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
+              "--threads", "1", "--schedule", "2,3", "--schedule-every", "1", "--algo", "ppo", "--kl-coef", "0.01",
+              "--eval-every", "2", "--eval-tasks", "4", "--out", out, "--cache-dir", cache_dir]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    r = subprocess.run([*torchrun, *common, "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["step"] for x in m] == [1, 2]
+    assert all(x["time_sync_s"] == 0.0 and "logprob_kl" in x and "value_loss" in x for x in m)
+    for step in (1, 2):  # rank 0 writes every rank's trajectories, in the order one process plays them
+        rows = [json.loads(x) for x in open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl"))]
+        assert [x["group"] for x in rows] == [0, 0, 1, 1] and rows[0]["item_id"] == rows[1]["item_id"]
+        assert sum(x["status"] in ("done", "max_turns") for x in rows) == 4
+    assert not [f for f in os.listdir(os.path.join(out, "rollouts")) if "rank" in f]
+    evals = [json.loads(x) for x in open(os.path.join(out, "eval.jsonl"))]
+    assert [e["step"] for e in evals] == [0, 2] and all(e["tasks"] == 4 for e in evals)  # both ranks' halves
+    ckpt = os.path.join(out, "checkpoint")
+    assert json.load(open(os.path.join(ckpt, "model", "config.json")))["architectures"] == ["LlamaForCausalLM"]
+    assert len(torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["rank_rngs"]) == 2
+
+    r = subprocess.run([sys.executable, *common, "--steps", "3", "--resume"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming 2 cpu rank(s) as 1 cpu rank(s)" in r.stdout
+    m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["step"] for x in m] == [1, 2, 3] and m[2]["max_turns"] == 3
+    assert len(open(os.path.join(out, "rollouts", "step_000003.jsonl")).readlines()) == 4
+    optim = torch.load(os.path.join(ckpt, "optim.pt"), weights_only=True)["optims"]
+    for name in ("policy", "critic"):  # Adam's step count went on from the two-rank run: 2 + 1
+        assert {float(s["step"]) for s in optim[name]["state"].values()} == {3.0}, name

@@ -6,6 +6,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
+# Hypothesis runs every installed package's "hypothesis" plugin when it is imported; trio (a selenium
+# dependency, for the viewer's browser test) registers one that can fail to import at the end of a
+# session and turn a green run red. No test here needs third-party plugins.
+os.environ.setdefault("HYPOTHESIS_NO_PLUGINS", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

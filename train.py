@@ -91,7 +91,6 @@ class Config:
     engine: str = arg("hf", "generation engine: HF generate (anywhere) or vLLM (GPU; one engine per rank)",
                       choices=["hf", "vllm"])
     vllm_gpu_memory: float = arg(0.5, "vLLM: share of the GPU memory for weights and KV cache")
-    vllm_tp: int = arg(1, "vLLM: tensor-parallel size")
     temperature: float = arg(1.0, "sampling temperature")
     top_p: float = arg(1.0, "nucleus sampling")
     max_new_tokens: int = arg(48, "tokens per assistant turn")
@@ -154,7 +153,7 @@ def parse_args(argv=None) -> Config:
     p = config_parser(Config, __doc__)
     cfg = Config(**vars(p.parse_args(argv)))
     check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens",
-                            "eval_batch", "vllm_tp"))
+                            "eval_batch"))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if cfg.batch_size % world:
         p.error(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world}): each "
@@ -626,8 +625,12 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
     n_stages = len(cfg.schedule.split(","))
     every = cfg.schedule_every or max(1, -(-cfg.steps // n_stages))
     schedule = make_schedule(cfg.schedule, every, cfg.schedule_kind)
-    vllm_kwargs = ({"gpu_memory_utilization": cfg.vllm_gpu_memory, "tensor_parallel_size": cfg.vllm_tp,
-                    "max_model_len": cfg.max_context} if cfg.engine == "vllm" else {})
+    # vLLM: a whole-model engine per rank, each sampling its own rank's prompts; under torchrun vLLM's
+    # external launcher counts the ranks as data-parallel engines (world = tp x pp x dp, here dp = N).
+    vllm_kwargs = ({"gpu_memory_utilization": cfg.vllm_gpu_memory, "max_model_len": cfg.max_context}
+                   if cfg.engine == "vllm" else {})
+    if cfg.engine == "vllm" and world_size() > 1:
+        vllm_kwargs["data_parallel_size"] = world_size()
     engine = make_engine(cfg.engine, model, model_path, pad_id, **vllm_kwargs)  # under torchrun: one per rank
     data_rng = random.Random(cfg.seed)  # the same on every rank: all ranks draw the same tasks
     sample_gen = torch.Generator(gen_device(cfg, device)).manual_seed(cfg.seed + rank)

@@ -15,7 +15,7 @@ checkpoints in OUT/checkpoint (an HF model folder + optim.pt + trainer_state.pt)
 Under torchrun (one process per GPU, or per CPU slot with gloo) every rank plays batch_size / N whole
 groups, the policy, reference model and critic are sharded with FSDP2, and the update equals the one a
 single process would make on all ranks' trajectories; rank 0 writes logs and checkpoints. See the
-"distributed" section.
+"distributed" section and distributed.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
-import math
 import os
 import random
 import shutil
@@ -39,6 +37,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
+from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, gathered, global_rank,
+                         global_whiten, init_distributed, rank_items, world_size)
 from env_client import EnvPool, task_splits
 from rollout import (INSTRUCTIONS, ChatFormat, RolloutConfig, Trajectory, build_batch, length_buckets, make_engine,
                      rollout, write_log)
@@ -327,97 +327,8 @@ def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world:
 
 
 # ---------------------------------------------------------------- distributed (torchrun)
-# `torchrun --nproc-per-node N train.py ...` starts N copies of this script with RANK, WORLD_SIZE and
-# LOCAL_RANK set: one per GPU (NCCL), or N CPU processes (gloo). All ranks draw the same tasks from the
-# shared data RNG and each plays its block of whole groups (rank_items) with its own sampling seed and
-# its own env server (started per rank: N servers step envs in parallel, where one server process would
-# hold all ranks' game steps on one GIL; with --env-addr all ranks share that server). The trajectories
-# are gathered to every rank for the metrics, which are therefore over all of them. The policy, the
-# reference model and the critic are sharded with FSDP2 (shard_model); a single process keeps plain
-# modules and every helper below is then a no-op.
-def init_distributed(device: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, device); joins the process group when started by torchrun."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, torch.device(device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-    # Ranks wait for each other at every gather: the slowest rank's rollout (or rank 0 building the
-    # warm start) must fit in the timeout.
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2),
-                            device_id=dev if dev.type == "cuda" else None)
-    return dist.get_rank(), world, dev
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_sum(values: list[float]) -> list[float]:
-    """Element-wise sums over ranks (float64: counts stay exact)."""
-    if world_size() == 1:
-        return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(n: int) -> int:
-    if world_size() == 1:
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
-def all_gather_list(items: list) -> list:
-    """Every rank's list concatenated in rank order, on every rank (pickled: small objects only)."""
-    if world_size() == 1:
-        return list(items)
-    parts: list = [None] * world_size()
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part]
-
-
-def broadcast_value(value):
-    """Rank 0's value, on every rank."""
-    if world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
-
-
-def rank_items(chosen: list[int], batch_size: int, group_size: int, rank: int = 0, world: int = 1):
-    """This rank's rows of a step: (item ids, group ids). Every rank gets the same `chosen` tasks; slot
-    g = 0..batch_size-1 is a group of group_size copies of task chosen[g] (repeating the list when it
-    has fewer than batch_size tasks), and rank r plays the r-th block of batch_size / world slots. So a
-    group (whose advantages are computed within it) never straddles two ranks, group ids are global,
-    and the ranks' rows in rank order are the rows one process plays."""
-    assert batch_size % world == 0, f"batch_size {batch_size} is not divisible by the world size {world}"
-    per = batch_size // world
-    slots = range(rank * per, (rank + 1) * per)
-    return ([chosen[g % len(chosen)] for g in slots for _ in range(group_size)],
-            [g for g in slots for _ in range(group_size)])
-
-
+# The torchrun plumbing (process group, collectives, rank slicing) lives in distributed.py; here is
+# what depends on the models and the engine: FSDP2 sharding and generation under it.
 def shard_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it runs
     and freed after it (and again in the backward), then the root (embeddings, final norm, LM head or
@@ -441,29 +352,6 @@ def shard_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Modul
 
 
 @contextlib.contextmanager
-def gathered(model):
-    """Every FSDP unit of `model` unsharded for the duration, for HF generate: each rank generates
-    alone, for as many forward passes as its own trajectories need, so the per-layer all-gathers of a
-    sharded forward would not match across ranks. The full weights are gathered once, together."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        yield
-        return
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)
-    for m in units:
-        m.unshard()
-    try:
-        yield
-    finally:
-        model.set_reshard_after_forward(True)  # back to shard_model's settings
-        model.set_reshard_after_forward(False, recurse=False)
-        for m in units:
-            m.reshard()
-
-
-@contextlib.contextmanager
 def generating(engine, model, cfg: Config):
     """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back to
     sleep after, leaving the memory to the update; HF generate with the policy's weights gathered."""
@@ -475,19 +363,6 @@ def generating(engine, model, cfg: Config):
     finally:
         if hasattr(engine, "sleep"):
             engine.sleep()
-
-
-def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """algos.masked_whiten(x, mask) * mask with the mean and unbiased variance of every rank's sampled
-    tokens, i.e. what one process holding all trajectories computes."""
-    if world_size() == 1:
-        return algos.masked_whiten(x, mask) * mask
-    m = (mask > 0).float()
-    total, n = all_sum([float((x * m).sum()), float(m.sum())])
-    mean = total / max(n, 1.0)
-    (sq_dev,) = all_sum([float(((x - mean) ** 2 * m).sum())])
-    scale = 1.0 / math.sqrt(sq_dev / (n - 1) + 1e-8) if n >= 2 else 1.0  # algos: departure 6
-    return (x - mean) * scale * m
 
 
 # ---------------------------------------------------------------- checkpoints

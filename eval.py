@@ -309,7 +309,7 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
         engine, fmt, path = load_local(cfg)
         policy = path
-        generator = torch.Generator().manual_seed(cfg.seed)
+        generator = torch.Generator(next(engine.model.parameters()).device).manual_seed(cfg.seed)  # where it samples
         rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                              max_context=cfg.max_context, temperature=cfg.temperature, top_p=cfg.top_p)
     print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "

@@ -280,7 +280,7 @@ def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[i
     (over trajectories without env errors), measured before that iteration's fine-tuning."""
     data = list(data or [])
     rcfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)  # where HFEngine samples
     rates = []
     for it in range(iterations):
         items = [i for i in train_ids for _ in range(samples_per_task)]
@@ -487,7 +487,8 @@ def main(cfg: Config) -> dict:
                 rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      temperature=cfg.temperature)
                 items = [i for i in ids for _ in range(cfg.samples_per_task)]
-                pool = data + play(model, tokenizer, url, cfg.env, items, rcfg, torch.Generator().manual_seed(cfg.seed))
+                pool = data + play(model, tokenizer, url, cfg.env, items, rcfg,
+                                           torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed))
             pairs = make_pairs(pool, cfg.seed)
             if not pairs:
                 sys.exit("dpo: no task has both a successful and a failed trajectory to pair")

@@ -12,7 +12,8 @@ Drives this project's servers and AgentGym's own (FastAPI) servers alike:
 Every failure (timeout, refused connection, HTTP error, error body, malformed answer) raises or returns
 an `EnvError`, never a reward of 0: the rollout counts such trajectories and drops them from the loss.
 Retries happen only where repeating the call cannot change the game (create, reset, reads, close);
-`step` is sent exactly once.
+`step` is sent exactly once. An `EnvPool` replaces instances lost with their server (killed, restarted,
+hung) at the next reset, so training picks up again as soon as the server is back.
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ class EnvError(RuntimeError):
         super().__init__(f"[{kind}{'' if status is None else f' {status}'}] {message}")
         self.kind, self.status, self.message = kind, status, message
 
+    @property
+    def instance_lost(self) -> bool:
+        """The instance may be gone: no server (down, restarted), unknown id, hung or unanswered call."""
+        return self.kind in ("connection", "timeout") or (self.kind == "http" and self.status in (404, 503, 504))
+
 
 @dataclass
 class Step:
@@ -120,7 +126,7 @@ class Step:
 class Transport:
     """JSON over HTTP/1.1 keep-alive to one server: one connection per thread, reopened when stale."""
 
-    def __init__(self, base_url: str, timeout: float = 60.0, retries: int = 2, max_idle_s: float = 60.0):
+    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2, max_idle_s: float = 60.0):
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
@@ -231,7 +237,7 @@ class EnvClient:
     """One env instance on a server: `reset(item_id)`, `observation()`, `available_actions()`,
     `step(action)`, `close()`. Created on the server at construction."""
 
-    def __init__(self, base_url: str | Transport, timeout: float = 60.0, retries: int = 2):
+    def __init__(self, base_url: str | Transport, timeout: float = 120.0, retries: int = 2):
         self.http = base_url if isinstance(base_url, Transport) else Transport(base_url, timeout, retries)
         created = self.http.request("POST", "/create", {}, retry=True)
         self.id_key, self.id = _read_id(created)
@@ -294,36 +300,84 @@ def _read_id(created) -> tuple[str, int]:
 # ---------------------------------------------------------------- task lists
 # Envs served by other projects, whose servers have no /tasks: how many task ids they take.
 REMOTE_TASKS = {"webarena": 812}  # WebArena's config_files/0.json .. 811.json
+# The env part of the original release's item ids ("textcraft_12") -> this project's env names.
+ITEM_PREFIXES = {"textcraft": "textcraft", "babyai": "babyai", "sciworld": "sciworld", "searchqa": "searchqa",
+                 "webarena": "webarena"}
 
 
-def task_splits(url: str, env: str, tasks_file: str | None = None) -> dict:
+def item_id(env: str, x, num_tasks: int | None = None) -> int:
+    """A task id from an id list: an int, an original-release item id "<env>_<n>", or an object with an
+    `item_id` field holding either. Raises ValueError for an id `env` does not have."""
+    if isinstance(x, dict):
+        if "item_id" not in x:
+            raise ValueError(f"an id object needs an 'item_id' field, got keys {sorted(x)[:5]}")
+        return item_id(env, x["item_id"], num_tasks)
+    if isinstance(x, str):
+        prefix, _, n = x.rpartition("_")
+        if not prefix or not n.isdigit():
+            raise ValueError(f"item id {x!r} is not of the form '<env>_<n>'")
+        if ITEM_PREFIXES.get(prefix, prefix) != env:
+            raise ValueError(f"item id {x!r} is for {prefix!r}, not {env!r}")
+        x = int(n)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"a task id must be an integer, '<env>_<n>' or {{'item_id': ...}}, got {x!r}")
+    if x < 0 or (num_tasks is not None and x >= num_tasks):
+        raise ValueError(f"{env} has no task {x} (its tasks are 0..{(num_tasks or 1) - 1})")
+    return x
+
+
+def read_tasks_file(path: str, env: str, num_tasks: int | None, list_split: str) -> dict:
+    """{"splits": {...}, "categories": {...}} from a JSON file: {"train": [...], "test": [...]} (or
+    {"splits": {...}}, optionally "categories": {"12": "shopping"}), or a bare list of ids, which is the
+    `list_split` split. Ids as `item_id` reads them."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, list):
+            data = {list_split: data}
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object or list, got {type(data).__name__}")
+        splits = data.get("splits", data)
+        if not isinstance(splits, dict):
+            raise ValueError("'splits' must be an object")
+        for k in ("train", "test"):
+            if k in splits and not isinstance(splits[k], list):
+                raise ValueError(f"{k!r} must be a list of ids")
+        splits = {k: [item_id(env, i, num_tasks) for i in v] for k, v in splits.items() if isinstance(v, list)}
+        categories = {int(k): str(v) for k, v in data.get("categories", {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"--tasks-file {path}: {e}") from None
+    if not any(splits.values()) and not any(k in splits for k in ("train", "test")):
+        raise ValueError(f"--tasks-file {path}: no id list ('train', 'test', or a bare list)")
+    return {"splits": splits, "categories": categories}
+
+
+def task_splits(url: str, env: str, tasks_file: str | None = None, list_split: str = "train") -> dict:
     """{"splits": {"train": [...], "test": [...]}, "categories": {id: name}} of the tasks at `url`.
 
-    From `tasks_file` when given (JSON: {"train": [...], "test": [...]} or {"splits": {...}}, optionally
-    "categories": {"12": "shopping", ...}), else from the server's /tasks (this project's servers), else
-    the defaults of an env served elsewhere: WebArena's 812 ids with every fifth one held out for test.
+    From the server's /tasks (this project's servers), else the defaults of an env served elsewhere:
+    WebArena's 812 ids with every fifth one held out. A `tasks_file` (read_tasks_file) replaces the
+    splits it lists; its ids are checked against the server's task count where it is known.
     """
-    if tasks_file:
-        try:
-            with open(tasks_file, encoding="utf-8") as f:
-                data = json.load(f)
-            splits = data.get("splits", data)
-            splits = {k: [int(i) for i in v] for k, v in splits.items() if k in ("train", "test")}
-            categories = {int(k): str(v) for k, v in data.get("categories", {}).items()}
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            raise ValueError(f"--tasks-file {tasks_file}: {e}") from None
-        if not splits.get("train") and not splits.get("test"):
-            raise ValueError(f"--tasks-file {tasks_file}: no 'train' or 'test' id list")
-        return {"splits": splits, "categories": categories}
+    served = None
     try:
-        return {"splits": Transport(url).request("GET", "/tasks", retry=True)["splits"], "categories": {}}
-    except (EnvError, KeyError, TypeError) as e:
-        if isinstance(e, EnvError) and e.kind in ("timeout", "connection"):
+        served = Transport(url).request("GET", "/tasks", retry=True)
+        served = {"num_tasks": int(served["num_tasks"]), "splits": dict(served["splits"])}
+    except EnvError as e:
+        if e.kind in ("timeout", "connection"):
             raise  # no server there at all: say so, rather than guess its tasks
-        if env not in REMOTE_TASKS:
-            raise ValueError(f"the server at {url} does not list its tasks ({e}); give them with --tasks-file") from None
-    n = REMOTE_TASKS[env]
-    return {"splits": {"train": [i for i in range(n) if i % 5], "test": list(range(0, n, 5))}, "categories": {}}
+        served = None
+    except (KeyError, TypeError, ValueError):
+        served = None
+    if served is None and env in REMOTE_TASKS:
+        n = REMOTE_TASKS[env]
+        served = {"num_tasks": n, "splits": {"train": [i for i in range(n) if i % 5], "test": list(range(0, n, 5))}}
+    if tasks_file:
+        given = read_tasks_file(tasks_file, env, served and served["num_tasks"], list_split)
+        return {"splits": {**(served["splits"] if served else {}), **given["splits"]}, "categories": given["categories"]}
+    if served is None:
+        raise ValueError(f"the server at {url} does not list its tasks; give them with --tasks-file")
+    return {"splits": served["splits"], "categories": {}}
 
 
 # ---------------------------------------------------------------- many instances
@@ -335,7 +389,7 @@ class EnvPool:
     back as `EnvError` values in the result list; they never raise and never stop the other instances.
     """
 
-    def __init__(self, base_url: str, size: int, timeout: float = 60.0, retries: int = 2,
+    def __init__(self, base_url: str, size: int, timeout: float = 120.0, retries: int = 2,
                  workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64):
         self.http = Transport(base_url, timeout, retries)
         self.size = size
@@ -388,24 +442,49 @@ class EnvPool:
         return [r for part in self.executor.map(send, chunks) for r in part]
 
     def reset(self, item_ids: list[int | None]) -> list[str | EnvError | None]:
-        """Reset instance i to task item_ids[i] (None: leave it alone). Returns first observations."""
+        """Reset instance i to task item_ids[i] (None: leave it alone). Returns first observations.
+        An instance that is gone (its server was restarted, it hung, it was never created) is replaced
+        by a new one and reset once more; what still fails comes back as its EnvError."""
         assert len(item_ids) == self.size, f"need {self.size} item ids, got {len(item_ids)}"
         todo = [i for i, t in enumerate(item_ids) if t is not None]
         out: list = [None] * self.size
-        if self.use_batch:
-            res = self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]} for i in todo])
-            for i, r in zip(todo, res):
-                out[i] = r if isinstance(r, EnvError) else _obs_from(r)
-        else:
-            for i, r in zip(todo, self._map(lambda i: self.clients[i].reset(item_ids[i]), todo)):
+        for again in (False, True):
+            if again:
+                todo = [i for i in todo if isinstance(out[i], EnvError) and out[i].instance_lost]
+            renew = [i for i in todo if again or self.clients[i] is None]
+            for i, made in zip(renew, self._map(self._renew, renew)):
+                if isinstance(made, EnvError):
+                    out[i] = made
+            ready = [i for i in todo if self.clients[i] is not None]
+            for i, r in zip(ready, self._reset_now(ready, item_ids)):
                 out[i] = r
         return out
+
+    def _renew(self, i: int) -> None:
+        """A new instance in slot i; the old one is closed if its server still knows it."""
+        old, self.clients[i] = self.clients[i], None
+        if old is not None:
+            try:
+                old.close()
+            except EnvError:
+                pass  # gone with its server
+        self.clients[i] = EnvClient(self.http)
+
+    def _reset_now(self, todo: list[int], item_ids) -> list:
+        if self.use_batch:
+            res = self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]} for i in todo])
+            return [r if isinstance(r, EnvError) else _obs_from(r) for r in res]
+        return self._map(lambda i: self.clients[i].reset(item_ids[i]), todo)
 
     def step(self, actions: list[str | None]) -> list[Step | EnvError | None]:
         """Step instance i with actions[i] (None: skip it, e.g. a finished trajectory)."""
         assert len(actions) == self.size, f"need {self.size} actions, got {len(actions)}"
         todo = [i for i, a in enumerate(actions) if a is not None]
         out: list = [None] * self.size
+        for i in todo:
+            if self.clients[i] is None:
+                out[i] = EnvError("connection", f"pool slot {i} has no instance (lost with its server)")
+        todo = [i for i in todo if out[i] is None]
         if self.use_batch:
             res = self._batch([{"op": "step", "id": self.clients[i].id, "action": actions[i]} for i in todo])
             for i, r in zip(todo, res):

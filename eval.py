@@ -12,7 +12,7 @@ BabyAI score, ...):
     Avg@n  = mean_i ( mean_j s_ij )        Pass@n = mean_i [ max_j s_ij > 0 ]
 
 as in AgentGym-RL's tables. Prompts, the chat template and action parsing are exactly training's
-(rollout.opening_messages, rollout.rollout, env_client.parse_action). A sample that ended in an
+(agents.py: the scheme's opening messages and parsing; rollout.play_moves). A sample that ended in an
 infrastructure error (env server, or the chat endpoint) is left out and counted, never scored 0; a task
 whose every sample failed is left out of the averages. Categories come from the env's
 `task_category(world, idx)` (TextCraft depth_k, BabyAI level, Corridor distance_k), read in-process;
@@ -35,8 +35,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from env_client import EnvError, EnvPool, parse_action, task_splits
-from rollout import RolloutConfig, Trajectory, opening_messages, start_trajectories, write_log  # noqa: F401 (opening_messages: the prompts endpoints get)
+from agents import SCHEMES, make_agent
+from env_client import EnvError, EnvPool, task_splits
+from rollout import RolloutConfig, Trajectory, play_moves, start_trajectories, write_log
 from train import arg, check_positive, check_served_elsewhere, config_parser
 
 ENDPOINT_ERROR = "endpoint"  # prefix of Trajectory.error for a failed chat request (status env_error)
@@ -48,7 +49,8 @@ class EvalConfig:
     env: str = arg("textcraft", "environment: textcraft, babyai, corridor, ...")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
     split: str = arg("test", "task split to evaluate (the server's /tasks splits)")
-    tasks_file: str | None = arg(None, "JSON task splits, for servers without /tasks (AgentGym's WebArena)")
+    tasks_file: str | None = arg(None, "JSON task ids: {\"test\": [...], ...} or a list (the --split tasks); ids as "
+                                       "ints, \"<env>_<n>\" or {\"item_id\": ...} (the original release)")
     limit: int | None = arg(None, "evaluate only the first N tasks of the split")
     # Policy: one of checkpoint, model, endpoint; none of them: the built-in tiny model
     checkpoint: str | None = arg(None, "a training run folder: loads RUN_DIR/checkpoint/model")
@@ -64,6 +66,8 @@ class EvalConfig:
     temperature: float = arg(1.0, "sampling temperature (the paper evaluates at 1)")
     top_p: float = arg(1.0, "nucleus sampling")
     max_turns: int = arg(30, "assistant turns per episode (the horizon K)")
+    agent: str = arg("react", "agent scheme: react (Thought/Action), plan (plan first, then act), reflect "
+                              "(reflect and retry after a failed attempt)", choices=sorted(SCHEMES))
     max_new_tokens: int = arg(48, "tokens per assistant turn")
     max_context: int = arg(4096, "tokens per trajectory (local engine)")
     batch: int = arg(64, "episodes played at once (env instances)")
@@ -137,7 +141,7 @@ def categories_for(env: str, item_ids: list[int], given: dict | None = None) -> 
 
 
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "eval",
-                   leave: bool = True) -> list[Trajectory]:
+                   leave: bool = True, timeout: float = 120.0) -> list[Trajectory]:
     """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
     play(pool, items, groups) -> trajectories, chunk by chunk. The last chunk is padded to the pool's
     size with copies, which are dropped after."""
@@ -145,7 +149,7 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
 
     size = max(1, min(size, len(items)))
     trajs: list[Trajectory] = []
-    with EnvPool(url, size) as pool:
+    with EnvPool(url, size, timeout=timeout) as pool:
         for s in tqdm(range(0, len(items), size), desc=desc, leave=leave, dynamic_ncols=True):
             its, gs = items[s:s + size], groups[s:s + size]
             got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)))
@@ -194,10 +198,12 @@ class ChatEndpoint:
 
 
 def endpoint_rollout(endpoint: ChatEndpoint, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-                     max_turns: int, workers: int = 16) -> list[Trajectory]:
-    """rollout.rollout at the message level: the same opening messages, parsing and statuses, with the
-    endpoint's chat template instead of token ids (token_ids, loss_mask and logprobs stay empty)."""
-    trajs = start_trajectories(pool, env, item_ids, groups)
+                     max_turns: int, workers: int = 16, agent: str = "react") -> list[Trajectory]:
+    """rollout.rollout at the message level: the same agent scheme, opening messages, parsing and
+    statuses, with the endpoint's chat template instead of token ids (token_ids, loss_mask and logprobs
+    stay empty)."""
+    agents = [make_agent(agent, env, max_turns) for _ in item_ids]
+    trajs = start_trajectories(pool, env, item_ids, groups, agents)
 
     def ask(i: int):
         try:
@@ -210,36 +216,16 @@ def endpoint_rollout(endpoint: ChatEndpoint, pool: EnvPool, env: str, item_ids: 
             active = [i for i, t in enumerate(trajs) if not t.finished]
             if not active:
                 break
-            replies = list(ex.map(ask, active))
-            actions: list[str | None] = [None] * pool.size
-            parse_errors: dict[int, str] = {}
-            stepped = []
-            for i, reply in zip(active, replies):
+            moves = {}
+            for i, reply in zip(active, ex.map(ask, active)):
                 t = trajs[i]
                 if isinstance(reply, EnvError):  # counted and excluded, like an env error
                     t.status, t.error = "env_error", str(reply)
                     continue
                 t.turns += 1
                 t.messages.append({"role": "assistant", "content": reply})
-                parsed = parse_action(env, reply)
-                if parsed.action is None:
-                    parse_errors[i] = parsed.error
-                else:
-                    actions[i] = parsed.action
-                stepped.append(i)
-            results = pool.step(actions)
-            for i in stepped:
-                t, r = trajs[i], results[i]
-                if isinstance(r, EnvError):
-                    t.status, t.error = "env_error", str(r)
-                    continue
-                if r is not None:
-                    t.reward = r.reward
-                    if r.done:
-                        t.status = "done"
-                t.messages.append({"role": "user", "content": parse_errors[i] if i in parse_errors else r.observation})
-                if not t.finished and t.turns >= max_turns:
-                    t.status = "max_turns"
+                moves[i] = agents[i].act(reply)
+            play_moves(pool, trajs, agents, moves, max_turns)
     for t in trajs:
         if not t.finished:
             t.status = "max_turns"
@@ -290,7 +276,7 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
 
     t0 = time.time()
     try:
-        listed = task_splits(url, cfg.env, cfg.tasks_file)
+        listed = task_splits(url, cfg.env, cfg.tasks_file, list_split=cfg.split)
     except ValueError as e:
         sys.exit(str(e))
     splits = listed["splits"]
@@ -319,8 +305,9 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
 
     def play(pool, items, groups):
         if cfg.endpoint:
-            return endpoint_rollout(endpoint, pool, cfg.env, items, groups, cfg.max_turns, cfg.endpoint_workers)
-        return rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, generator)
+            return endpoint_rollout(endpoint, pool, cfg.env, items, groups, cfg.max_turns, cfg.endpoint_workers,
+                                    cfg.agent)
+        return rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, generator, agent=cfg.agent)
 
     trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play)
 

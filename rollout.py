@@ -30,80 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from env_client import EnvError, EnvPool, parse_action
-
-# ---------------------------------------------------------------- the agent's prompts (react scheme)
-INSTRUCTIONS = {
-    "textcraft": (
-        "You are playing a crafting game. Each turn you get an observation and answer with one action.\n"
-        "Commands:\n"
-        "- get N item: take N of a base item, e.g. get 2 oak log\n"
-        "- craft N item using N ingredient, N ingredient: use exactly one of the listed crafting "
-        "commands, e.g. craft 4 oak planks using 1 oak log; a generic ingredient such as planks may be "
-        "given as a specific kind such as dark oak planks\n"
-        "- inventory: list what you hold\n"
-        "Answer in this format:\nThought: <your reasoning>\nAction: <one command>"
-    ),
-    "babyai": (
-        "You are an agent in a grid world with rooms, doors, keys, balls and boxes. Each turn you get an "
-        "observation and answer with one action.\n"
-        "Actions: turn left, turn right, move forward, go to <obj> <n>, pickup <obj> <n>, "
-        "go through <door> <n>, toggle and go through <door> <n>, toggle, drop, check available actions.\n"
-        "Answer in this format:\nThought: <your reasoning>\nAction: <one action>"
-    ),
-    "sciworld": (
-        "You are doing an elementary science task in a simulated world of rooms, objects, substances, "
-        "plants and animals. Each turn you get an observation and answer with one action.\n"
-        "Actions (OBJ is an object or a place): look around, look at OBJ, look in OBJ, read OBJ, go to OBJ, "
-        "open OBJ, close OBJ, pick up OBJ, put down OBJ, move OBJ to OBJ, pour OBJ into OBJ, dunk OBJ into "
-        "OBJ, mix OBJ, activate OBJ, deactivate OBJ, use OBJ, use OBJ on OBJ, connect OBJ to OBJ, "
-        "disconnect OBJ, eat OBJ, flush OBJ, focus on OBJ (marks the object the task is about: focusing on "
-        "the wrong one fails the task), wait (ten time steps), wait1 (one), inventory, task (repeats the "
-        "task).\n"
-        "Answer in this format:\nThought: <your reasoning>\nAction: <one action>"
-    ),
-    "searchqa": (
-        "You answer questions about facts you may not know, using a search engine. Each turn, reason "
-        "inside <think>...</think>, then end with exactly one block: <search>query</search> to look "
-        "something up (the results come back inside <information>...</information>), or "
-        "<answer>short answer</answer> when you are sure. Only the first block of a reply is read."
-    ),
-    "webarena": (
-        "You are an agent operating a web browser to complete a task. Each turn you get the task's "
-        "objective, the current page as an accessibility tree (every element has an [id]), its URL and "
-        "your previous action; answer with one action.\n"
-        "Actions: click [id], type [id] [text] [1 to press Enter after typing, 0 not to], hover [id], "
-        "press [key combination], scroll [up or down], new_tab, tab_focus [tab index], close_tab, "
-        "goto [url], go_back, go_forward, and stop [answer] when the task is done (the answer in the "
-        "brackets; N/A when the task cannot be done).\n"
-        "Think step by step, then end your reply with the single action inside triple backticks, e.g. "
-        "In summary, the next action I will perform is ```click [1234]```"
-    ),
-    "corridor": "You are in a corridor. Each turn answer left or right to walk toward the goal.",
-}
-ACK = "OK. I will follow these instructions."
-
-
-def system_prompt(env: str) -> str:
-    if env not in INSTRUCTIONS:
-        raise ValueError(f"no instructions for env {env!r}; known: {sorted(INSTRUCTIONS)}")
-    return INSTRUCTIONS[env]
-
-
-def opening_messages(env: str, first_observation: str) -> list[dict]:
-    """Instruction turn, the assistant's acknowledgement, then the env's first observation (as upstream)."""
-    return [{"role": "user", "content": system_prompt(env)}, {"role": "assistant", "content": ACK},
-            {"role": "user", "content": first_observation}]
-
-
-def react_reply(env: str, action: str, thought: str | None = None) -> str:
-    """An assistant reply in the env's format (Thought/Action; Deep Search: <think> then the tag block),
-    e.g. for expert demonstrations."""
-    if env == "searchqa":
-        kind = "answer" if action.startswith("<answer>") else "search"
-        return f"<think>{thought or 'I will ' + kind + '.'}</think>\n{action}"
-    return f"Thought: {thought or 'I will ' + action + '.'}\nAction: {action}"
-
+from agents import Move, make_agent
+from env_client import EnvError, EnvPool
 
 # ---------------------------------------------------------------- chat template, as token deltas
 class ChatFormat:
@@ -496,6 +424,7 @@ class Trajectory:
     template: str = "exact"  # exact | noncanonical | mismatch (see the module docstring)
     error: str | None = None
     n_prompt: int = 0  # ids of the opening prompt
+    agent: str = "react"  # the scheme that played it (agents.SCHEMES)
 
     @property
     def finished(self) -> bool:
@@ -522,25 +451,64 @@ class RolloutConfig:
     check_template: bool = True  # compare each row to the chat template every turn
 
 
-def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int]) -> list[Trajectory]:
-    """Reset pool instance i to task item_ids[i]; one Trajectory each with its opening messages, or
-    status env_error when the reset failed."""
+def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
+                       agents: list | None = None) -> list[Trajectory]:
+    """Reset pool instance i to task item_ids[i]; one Trajectory each with its agent's opening messages
+    (default: react), or status env_error when the reset failed."""
     assert len(item_ids) == pool.size == len(groups)
+    agents = agents or [make_agent("react", env, 0) for _ in item_ids]
     trajs = []
-    for item, group, first in zip(item_ids, groups, pool.reset(list(item_ids))):
-        t = Trajectory(env, item, group, [], [], [], [])
+    for item, group, first, agent in zip(item_ids, groups, pool.reset(list(item_ids)), agents):
+        t = Trajectory(env, item, group, [], [], [], [], agent=agent.name)
         if isinstance(first, EnvError):
             t.status, t.error = "env_error", str(first)
         else:
-            t.messages = opening_messages(env, first)
+            t.messages = agent.opening(first)
         trajs.append(t)
     return trajs
 
 
+def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move], max_turns: int) -> None:
+    """One turn's env side, for the trajectories that replied (moves[i] from agents[i].act): the actions
+    go to the env in one batched call; then each trajectory gets its next user message (the agent's
+    rendering of the env's answer, or its note where there was no step), its reward and status; where the
+    agent retries, the env is reset to the same task and the reward starts again from 0."""
+    results = pool.step([moves[i].action if i in moves else None for i in range(pool.size)])
+    retry = []
+    for i, move in moves.items():
+        t, agent, r = trajs[i], agents[i], results[i]
+        if isinstance(r, EnvError):
+            t.status, t.error = "env_error", str(r)
+            continue
+        if move.action is None:
+            text, outcome = agent.observe(move.note, None, False, t.turns)
+        else:
+            t.reward = r.reward
+            text, outcome = agent.observe(r.observation, r.reward, r.done, t.turns)
+        t.messages.append({"role": "user", "content": text})
+        if outcome == "done":
+            t.status = "done"
+        elif outcome == "retry":
+            retry.append(i)
+        elif t.turns >= max_turns:
+            t.status = "max_turns"
+    if retry:
+        firsts = pool.reset([trajs[i].item_id if i in retry else None for i in range(pool.size)])
+        for i in retry:
+            if isinstance(firsts[i], EnvError):
+                trajs[i].status, trajs[i].error = "env_error", str(firsts[i])
+            else:
+                agents[i].restart(firsts[i])
+                trajs[i].reward = 0.0
+
+
 def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-            cfg: RolloutConfig, generator: torch.Generator | None = None, progress=None) -> list[Trajectory]:
-    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended."""
-    trajs = start_trajectories(pool, env, item_ids, groups)
+            cfg: RolloutConfig, generator: torch.Generator | None = None, progress=None,
+            agent: str = "react") -> list[Trajectory]:
+    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended; `agent`
+    names the scheme (agents.SCHEMES)."""
+    agents = [make_agent(agent, env, cfg.max_turns) for _ in item_ids]
+    trajs = start_trajectories(pool, env, item_ids, groups, agents)
     for t in trajs:
         if not t.finished:
             t.token_ids = fmt.prompt_ids(t.messages)
@@ -557,8 +525,7 @@ def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int
             break
         samples = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, fmt.stop_ids,
                                   cfg.temperature, cfg.top_p, generator)
-        actions: list[str | None] = [None] * pool.size
-        parse_errors: dict[int, str] = {}
+        moves = {}
         for i, s in zip(active, samples):
             t = trajs[i]
             t.token_ids += s.ids
@@ -568,29 +535,13 @@ def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int
             body = s.ids[:-1] if s.stopped else s.ids
             reply = fmt.tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             t.messages.append({"role": "assistant", "content": reply})
-            parsed = parse_action(env, reply)
-            if parsed.action is None:
-                parse_errors[i] = parsed.error
-            else:
-                actions[i] = parsed.action
-        results = pool.step(actions)
+            moves[i] = agents[i].act(reply)
+        play_moves(pool, trajs, agents, moves, cfg.max_turns)
         for i, s in zip(active, samples):
-            t, r = trajs[i], results[i]
-            if isinstance(r, EnvError):
-                t.status, t.error = "env_error", str(r)
-                continue
-            obs = parse_errors[i] if i in parse_errors else r.observation
-            if r is not None:
-                t.reward = r.reward
-                if r.done:
-                    t.status = "done"
-            t.messages.append({"role": "user", "content": obs})
+            t = trajs[i]
             if t.finished:
                 continue
-            if t.turns >= cfg.max_turns:
-                t.status = "max_turns"
-                continue
-            t.token_ids += (obs_ids := fmt.observation_ids(obs, s.stopped))
+            t.token_ids += (obs_ids := fmt.observation_ids(t.messages[-1]["content"], s.stopped))
             t.loss_mask += [0] * len(obs_ids)
             t.logprobs += [0.0] * len(obs_ids)
             if cfg.check_template and t.template != "mismatch":
@@ -686,5 +637,4 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
 
 
 __all__ = ["ChatFormat", "HFEngine", "RolloutConfig", "Sample", "Trajectory", "VLLMEngine", "build_batch",
-           "length_buckets", "make_engine", "opening_messages", "react_reply", "rollout", "start_trajectories",
-           "system_prompt", "write_log"]
+           "length_buckets", "make_engine", "play_moves", "rollout", "start_trajectories", "write_log"]

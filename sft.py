@@ -41,8 +41,8 @@ import torch
 from tqdm import tqdm
 
 from env_client import parse_action
-from rollout import (ChatFormat, HFEngine, RolloutConfig, Trajectory, build_batch, length_buckets, opening_messages,
-                     react_reply, rollout)
+from agents import opening_messages, react_reply
+from rollout import ChatFormat, HFEngine, RolloutConfig, Trajectory, build_batch, length_buckets, rollout
 from train import arg, check_positive, config_parser, spread, token_logprobs
 
 
@@ -65,7 +65,7 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                         max_turns: int = 30, variants: int = 1) -> list[Trajectory]:
     """Play each task in-process with the env's expert; one Trajectory per task, built like rollout()'s.
 
-    The reply text is rollout.react_reply(action); its ids are fmt.reply_ids(reply) (loss mask 1),
+    The reply text is agents.react_reply(action); its ids are fmt.reply_ids(reply) (loss mask 1),
     the observation's are fmt.observation_ids(obs, reply_ended=True) (loss mask 0). Status and reward as
     in rollout(): `done` with the step's reward, else `max_turns`; the observation after the last turn
     goes into the messages but not into the row. With `variants` v > 1, envs whose reset takes a

@@ -31,7 +31,7 @@ def corpus(env_names=("textcraft", "babyai"), tasks_per_env: int = 200) -> list[
     """Text the tokenizer learns its merges from: every env's instructions, first observations, and
     expert episodes (actions and observations) on a sample of tasks. Deterministic."""
     from env_server import get_env_class
-    from rollout import ACK, react_reply, system_prompt
+    from agents import ACK, react_reply, system_prompt
 
     texts = []
     for name in env_names:

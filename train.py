@@ -11,6 +11,8 @@ REINFORCE++, or GAE with a critic for PPO); the policy takes `ppo_epochs` passes
 gradient updates over mini-batches, micro-batched by length. Without `--env-addr` a local env server
 is started and stopped at exit. Logs: OUT/metrics.jsonl, OUT/rollouts/step_*.jsonl, OUT/config.json;
 checkpoints in OUT/checkpoint (an HF model folder + optim.pt + trainer_state.pt), written atomically.
+Ctrl-C or SIGTERM saves a checkpoint that --resume continues exactly; env failures cost only the
+trajectories they touch (see `Interrupts`, `env_ready` and the README's "Reliability").
 
 Under torchrun (one process per GPU, or per CPU slot with gloo) every rank plays batch_size / N whole
 groups, the policy, reference model and critic are sharded with FSDP2, and the update equals the one a
@@ -27,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import types
@@ -39,9 +42,10 @@ from tqdm import tqdm
 import algos
 from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, gathered, global_rank,
                          global_whiten, init_distributed, rank_items, world_size)
-from env_client import EnvPool, task_splits
-from rollout import (INSTRUCTIONS, ChatFormat, RolloutConfig, Trajectory, build_batch, length_buckets, make_engine,
-                     rollout, write_log)
+from env_client import EnvError, EnvPool, task_splits
+from agents import INSTRUCTIONS, SCHEMES
+from rollout import (ChatFormat, RolloutConfig, Trajectory, build_batch, length_buckets, make_engine, rollout,
+                     write_log)
 from scheduler import make_schedule
 
 
@@ -54,7 +58,8 @@ class Config:
     # Environment
     env: str = arg("textcraft", "environment: textcraft, babyai, corridor, ...")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
-    tasks_file: str | None = arg(None, "JSON task splits, for servers without /tasks (AgentGym's WebArena)")
+    tasks_file: str | None = arg(None, "JSON task ids: {\"train\": [...], \"test\": [...]} or a list (the training "
+                                       "tasks); ids as ints, \"<env>_<n>\" or {\"item_id\": ...} (the original release)")
     # Horizon schedule (ScalingInter-RL)
     schedule: str = arg("10,20,30", "turn horizons: '15' fixed, '10,20,30' grows stage by stage")
     schedule_every: int | None = arg(None, "steps per stage (default: steps / number of stages)")
@@ -86,6 +91,9 @@ class Config:
     tis_cap: float | None = arg(None, "truncated importance sampling: weight each token's policy loss by "
                                       "min(pi_old / pi_sampler, C), this C (absent: off)")
     grad_checkpointing: bool = arg(False, "recompute activations in the backward (less memory, ~30% slower)")
+    # Agent (agents.py)
+    agent: str = arg("react", "agent scheme: react (Thought/Action), plan (plan first, then act), reflect "
+                              "(reflect and retry after a failed attempt)", choices=sorted(SCHEMES))
     # Generation
     model: str | None = arg(None, "HF model folder or hub name; absent: the built-in tiny model")
     engine: str = arg("hf", "generation engine: HF generate (anywhere) or vLLM (GPU; one engine per rank)",
@@ -111,6 +119,14 @@ class Config:
                           "shared by the processes of this node)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
+    # Faults (see "reliability" in the README)
+    env_timeout: float = arg(120.0, "seconds to wait for an env server's answer; past it the trajectory is an "
+                                    "env error")
+    max_env_error_share: float = arg(0.5, "a step whose share of env-error trajectories is above this is not "
+                                          "trained on")
+    env_error_patience: int = arg(3, "stop, with a checkpoint, after this many such steps in a row")
+    env_wait: float = arg(120.0, "after such a step, wait up to this many seconds for the env server to answer "
+                                 "again (a local one that died is restarted)")
 
 
 def config_parser(cls, description: str) -> argparse.ArgumentParser:
@@ -180,6 +196,14 @@ def parse_args(argv=None) -> Config:
             p.error(f"--{name.replace('_', '-')} must be 0 or more")
     if cfg.eval_turns is not None and cfg.eval_turns < 1:
         p.error("--eval-turns must be at least 1")
+    if not cfg.env_timeout > 0:
+        p.error("--env-timeout must be a positive number of seconds")
+    if not 0 <= cfg.max_env_error_share < 1:
+        p.error("--max-env-error-share must be in [0, 1)")
+    if cfg.env_error_patience < 1:
+        p.error("--env-error-patience must be at least 1")
+    if cfg.env_wait < 0:
+        p.error("--env-wait must be 0 or more")
     try:
         make_schedule(cfg.schedule, cfg.schedule_every or 1, cfg.schedule_kind)
     except ValueError as e:
@@ -389,12 +413,23 @@ def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dic
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
         torch.save(big, os.path.join(tmp, "optim.pt"))
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        _fsync_tree(tmp)  # on disk before the swap: a power cut must not leave a renamed empty file
         if os.path.exists(final):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     barrier()
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
@@ -457,7 +492,7 @@ def main(cfg: Config) -> dict:
             server = ServerProcess(cfg.env)
         url = cfg.env_addr or server.url
         try:
-            return train(cfg, url, ckpt, device, AutoModelForCausalLM, AutoTokenizer)
+            return train(cfg, url, ckpt, device, AutoModelForCausalLM, AutoTokenizer, server)
         finally:
             if server is not None:
                 server.stop()
@@ -466,7 +501,7 @@ def main(cfg: Config) -> dict:
             dist.destroy_process_group()
 
 
-def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer) -> dict:
+def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer, server=None) -> dict:
     rank, world = global_rank(), world_size()
     try:
         tasks = task_splits(url, cfg.env, cfg.tasks_file)
@@ -528,6 +563,10 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
         if rank == 0:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 _truncate_metrics(os.path.join(cfg.out, name), st["step"])
+            folder = os.path.join(cfg.out, "rollouts")  # logs of steps past the checkpoint are replayed
+            for name in os.listdir(folder) if os.path.isdir(folder) else []:
+                if name.startswith("step_") and name[5:11].isdigit() and int(name[5:11]) > st["step"]:
+                    os.remove(os.path.join(folder, name))
     test_ids = spread(tasks["splits"].get("test", []), cfg.eval_tasks)
     categories = tasks["categories"]
     eval_K = cfg.eval_turns or max(int(k) for k in cfg.schedule.split(","))
@@ -547,64 +586,192 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
                 tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} "
                            f"test tasks (K={eval_K}, {r['time_s']:.0f}s)")
 
+    def snapshot() -> dict:
+        """What a run resumed after the last update needs besides weights and optimizer: the schedule
+        and this rank's random streams (data order, sampling, torch)."""
+        return {"schedule": schedule.state_dict(), "data_rng": data_rng.getstate(),
+                "rng": {"sample_gen": sample_gen.get_state(), "torch_rng": torch.get_rng_state()}}
+
+    def save(step: int, snap: dict) -> None:
+        state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
+                 "rank_rngs": all_gather_list([snap["rng"]]), "device_type": sample_gen.device.type,
+                 "config": dataclasses.asdict(cfg)}
+        save_checkpoint(cfg.out, model, tokenizer, critic, optims, state)
+
+    def eval_due(step: int) -> bool:
+        return step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+
     t_start = time.time()
-    if start == 1:
-        held_out(0)  # the starting policy: the baseline every later evaluation is compared with
-    pool = EnvPool(url, cfg.batch_size // world * cfg.group_size)
+    pool = EnvPool(url, cfg.batch_size // world * cfg.group_size, timeout=cfg.env_timeout)
     rcfg = RolloutConfig(max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
                          temperature=cfg.temperature, top_p=cfg.top_p)
     summary: dict = {}
+    safe = (start - 1, snapshot())  # (step, states): what a stop saves, with the weights as they are
+    saved = start - 1  # the step of the checkpoint on disk (0: none)
+    bad_steps = 0  # steps in a row with too many env errors
     bar = tqdm(range(start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}", initial=start - 1, total=cfg.steps,
                dynamic_ncols=True, disable=rank != 0)
     try:
-        for step in bar:
-            # -------- rollout: this rank's whole groups; then every rank's trajectories, in rank order
-            K = schedule.max_turns(step)
-            rcfg.max_turns = K
-            chosen = data_rng.sample(train_ids, min(cfg.batch_size, len(train_ids)))
-            item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
-            t0 = time.time()
-            with generating(engine, model, cfg):
-                trajs = rollout(engine, fmt, pool, cfg.env, item_ids, groups, rcfg, sample_gen)
-            everyone = all_gather_list(trajs)
-            time_rollout = time.time() - t0
-            if rank == 0:
-                write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
-            kept = [t for t in trajs if t.status != "env_error"]  # infrastructure failures are not rewards
-            kept_all = [t for t in everyone if t.status != "env_error"]
-            m = rollout_metrics(everyone, kept_all, K, time_rollout)
-            schedule.observe(step, m["success_rate"])
+        with Interrupts(defer_all=world > 1) as intr:
+            try:
+                if start == 1 or (eval_due(start - 1) and all(e["step"] != start - 1 for e in evals)):
+                    held_out(start - 1)  # the starting policy (or an evaluation a stop cut short)
+                for step in bar:
+                    safe = (step - 1, snapshot())  # a stop in this step's rollout replays the step on resume
+                    env_ready(server, url, cfg.env_wait if bad_steps else 0.0)
+                    # -------- rollout: this rank's whole groups; then every rank's trajectories, in rank order
+                    K = schedule.max_turns(step)
+                    rcfg.max_turns = K
+                    chosen = data_rng.sample(train_ids, min(cfg.batch_size, len(train_ids)))
+                    item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
+                    t0 = time.time()
+                    with generating(engine, model, cfg):
+                        trajs = rollout(engine, fmt, pool, cfg.env, item_ids, groups, rcfg, sample_gen,
+                                        agent=cfg.agent)
+                    everyone = all_gather_list(trajs)
+                    time_rollout = time.time() - t0
+                    if rank == 0:
+                        write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
+                    kept = [t for t in trajs if t.status != "env_error"]  # infrastructure failures are not rewards
+                    kept_all = [t for t in everyone if t.status != "env_error"]
+                    m = rollout_metrics(everyone, kept_all, K, time_rollout)
+                    # Too many env errors: what is left is a biased sample (say, only the short episodes).
+                    bad = len(everyone) - len(kept_all) > cfg.max_env_error_share * len(everyone)
+                    bad_steps = bad_steps + 1 if bad else 0
+                    if not bad:  # a plateau schedule watches success; a biased sample would mislead it
+                        schedule.observe(step, m["success_rate"])
 
-            # -------- advantages and update (collective: every rank, even one left without a trajectory)
-            t1 = time.time()
-            if kept_all:
-                m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
-            m["time_update_s"] = time.time() - t1
+                    with intr.critical():  # a signal here waits: never save half an update
+                        # -------- advantages and update (collective: every rank, even one without a trajectory)
+                        t1 = time.time()
+                        if kept_all and not bad:
+                            m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
+                        m["time_update_s"] = time.time() - t1
+                        m["skipped_update"] = int(bad or not kept_all)
+                        # -------- new weights to the generation engine (HF: the same module, nothing to copy)
+                        sync_s = engine.sync_weights(model)
+                        m["time_sync_s"] = float(sync_s or 0.0)
+                        m["step"] = step
+                        if rank == 0:
+                            with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
+                                f.write(json.dumps(m) + "\n")
+                        safe = (step, snapshot())
+                    bar.set_postfix(K=K, reward=f"{m['reward_mean']:.2f}", success=f"{m['success_rate']:.2f}")
+                    summary = m
+                    if bad:
+                        errors = [t.error for t in everyone if t.status == "env_error"]
+                        tqdm.write(f"step {step}: {len(errors)}/{len(everyone)} trajectories hit env errors, "
+                                   f"above --max-env-error-share {cfg.max_env_error_share:g}: not trained on. "
+                                   f"First: {errors[0]}")
+                        if bad_steps >= cfg.env_error_patience:
+                            with intr.critical():
+                                save(*safe)
+                            sys.exit(f"stopping: {bad_steps} steps in a row had more than "
+                                     f"{cfg.max_env_error_share:.0%} env-error trajectories (--max-env-error-share, "
+                                     f"--env-error-patience). Last error: {errors[0]}\n"
+                                     f"The checkpoint at step {step} is in {cfg.out}; fix the env server and "
+                                     "continue with --resume.")
 
-            # -------- new weights to the generation engine (HF: the same module, nothing to copy)
-            sync_s = engine.sync_weights(model)
-            m["time_sync_s"] = float(sync_s or 0.0)
-            m["step"] = step
-            if rank == 0:
-                with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(m) + "\n")
-            bar.set_postfix(K=K, reward=f"{m['reward_mean']:.2f}", success=f"{m['success_rate']:.2f}")
-            summary = m
-
-            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                held_out(step)
-
-            # -------- checkpoint
-            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                rngs = all_gather_list([{"sample_gen": sample_gen.get_state(), "torch_rng": torch.get_rng_state()}])
-                state = {"step": step, "schedule": schedule.state_dict(), "data_rng": data_rng.getstate(),
-                         "rank_rngs": rngs, "device_type": sample_gen.device.type, "config": dataclasses.asdict(cfg)}
-                save_checkpoint(cfg.out, model, tokenizer, critic, optims, state)
+                    if eval_due(step):
+                        held_out(step)
+                    # -------- checkpoint
+                    if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                        with intr.critical():
+                            save(*safe)
+                            saved = step
+                    if world > 1 and all_max(int(intr.signum is not None)):  # the ranks stop together
+                        raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                done, snap = safe
+                if done > saved:
+                    save(done, snap)
+                    saved = done
+                if rank == 0:
+                    tqdm.write(f"interrupted ({signal.Signals(intr.signum or signal.SIGINT).name}): " +
+                               (f"checkpoint at step {saved} in {cfg.out}; continue with --resume --out {cfg.out}"
+                                if saved else "stopped before the first step ended; nothing to save"))
+                sys.exit(128 + (intr.signum or signal.SIGINT))
     finally:
+        bar.close()
         pool.close()
     if rank != 0:
         return summary
     return {**summary, **print_summary(cfg, evals, time.time() - t_start)}
+
+
+class StopNow(BaseException):
+    """A second Ctrl-C / SIGTERM: stop at once, without a checkpoint."""
+
+
+class Interrupts:
+    """Ctrl-C and SIGTERM while training stop the run where --resume continues it exactly.
+
+    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the weights have not
+    changed since the last update, and a resumed run replays the step from the random states taken at
+    its start. Inside (the update, a checkpoint write) it waits for the section's end, so that nothing is
+    saved half updated. Under torchrun every signal waits for the end of the step, where the ranks agree
+    to stop together (a rank leaving in the middle of a collective would hang the others). A second
+    signal stops at once, without a checkpoint; an interrupted write never replaces the last good one.
+    """
+
+    def __init__(self, defer_all: bool):
+        self.defer_all, self.signum, self.depth = defer_all, None, 0
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            raise StopNow(f"{signal.Signals(signum).name} again: stopped without a checkpoint")
+        self.signum = signum
+        if self.depth == 0 and not self.defer_all:
+            raise KeyboardInterrupt
+        if global_rank() == 0:
+            tqdm.write(f"{signal.Signals(signum).name}: stopping after this {'step' if self.defer_all else 'update'} "
+                       "with a checkpoint (send it again to stop at once, without one)")
+
+    @contextlib.contextmanager
+    def critical(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.depth == 0 and self.signum is not None and not self.defer_all:
+            raise KeyboardInterrupt
+
+
+def env_ready(server, url: str, wait_s: float) -> None:
+    """Before a step: restart the local env server if it died; after a failed step, also wait up to
+    `wait_s` for the server to answer (a restart elsewhere takes a while). The pool replaces the lost
+    instances at its next reset."""
+    from env_client import Transport
+
+    deadline = time.time() + wait_s
+    while True:
+        if server is not None and not server.alive():
+            tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it on {server.url}")
+            try:
+                server.restart()
+            except RuntimeError as e:
+                tqdm.write(f"could not restart the env server: {e}")
+        if wait_s <= 0:
+            return
+        try:
+            Transport(url, timeout=5.0, retries=0).request("GET", "/")
+            return
+        except EnvError as e:
+            if e.kind not in ("connection", "timeout"):
+                return  # it answered (AgentGym's servers answer their health check in plain text)
+            if time.time() > deadline:
+                tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
+                return
+        time.sleep(1.0)
 
 
 def gen_device(cfg: Config, device) -> torch.device:
@@ -634,9 +801,14 @@ def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K
                          temperature=cfg.temperature, top_p=cfg.top_p)
     gen = torch.Generator(gen_device(cfg, device)).manual_seed(cfg.seed + 12345 + rank)
     mine = test_ids[rank::world]
-    trajs = play_in_chunks(url, cfg.eval_batch, mine, list(range(len(mine))),
-                           lambda pool, items, groups: rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, gen),
-                           desc=f"held-out eval @ step {step}", leave=False) if mine else []
+    try:
+        trajs = play_in_chunks(url, cfg.eval_batch, mine, list(range(len(mine))),
+                               lambda pool, items, groups: rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, gen,
+                                                                   agent=cfg.agent),
+                               desc=f"held-out eval @ step {step}", leave=False, timeout=cfg.env_timeout) if mine else []
+    except EnvError as e:  # no env server to play on: this evaluation has no result; training goes on
+        tqdm.write(f"held-out evaluation at step {step} failed: {e}")
+        trajs = [Trajectory(cfg.env, i, -1, [], [], [], [], status="env_error") for i in mine]
     episodes = all_gather_list([(t.item_id, t.status, t.reward, t.turns) for t in trajs])
     kept = [e for e in episodes if e[1] != "env_error"]
     cat = categories_for(cfg.env, test_ids, categories)
@@ -652,6 +824,7 @@ def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K
 
 def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
     """The end-of-run report: training success early and late, held-out success first and last."""
+    evals = [e for e in evals if e["tasks"]]  # an evaluation the env server failed has no result
     with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f if x.strip()]
     k = max(1, min(5, len(rows) // 2))

@@ -45,14 +45,15 @@ CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("tur
 # listed in them; request values are integers looked up in those listings.
 
 def step_files(run_dir: str) -> dict[int, str]:
-    """{step: absolute path} of rollouts/step_*.jsonl, from the file names alone."""
+    """{step: absolute path} of rollouts/step_*.jsonl, from the file names alone; a link that leads out
+    of the run folder is left out (the viewer serves nothing else)."""
     folder = os.path.join(run_dir, "rollouts")
     if not os.path.isdir(folder):
         return {}
-    out = {}
+    out, root = {}, os.path.realpath(run_dir) + os.sep
     for name in os.listdir(folder):
         m = STEP_FILE.match(name)
-        if m:
+        if m and os.path.realpath(os.path.join(folder, name)).startswith(root):
             out[int(m.group(1))] = os.path.join(folder, name)
     return dict(sorted(out.items()))
 

@@ -2,8 +2,11 @@
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 
 from . import ENVS, get_env_class
 from .app import create_app, make_server
@@ -21,6 +24,11 @@ def main(argv=None) -> None:
     p.add_argument("--idle-timeout", type=float, default=900.0,
                    help="close instances idle for this many seconds (0: never)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (413 past it)")
+    p.add_argument("--op-timeout", type=float, default=60.0,
+                   help="seconds a call into a game may take; past it the caller gets a 504 and the instance "
+                        "is marked hung (its thread is abandoned), the rest of the server keeps serving")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone (set by launchers such as train.py)")
     name = argv[0] if argv and argv[0] in ENVS else None  # before parsing, so --help lists its flags
     env_cls = get_env_class(name) if name in ENVS else None
     if env_cls is not None:
@@ -29,6 +37,8 @@ def main(argv=None) -> None:
     for flag in ("threads", "max_instances", "max_body_kb"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.op_timeout > 0:
+        p.error("--op-timeout must be a positive number of seconds")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -36,7 +46,7 @@ def main(argv=None) -> None:
     except (OSError, ValueError) as e:
         p.error(f"cannot load {name}: {e}")
     app = create_app(env_cls, world, max_instances=args.max_instances, idle_timeout_s=args.idle_timeout,
-                     max_body_bytes=args.max_body_kb * 1024)
+                     op_timeout_s=args.op_timeout, max_body_bytes=args.max_body_kb * 1024)
     server = make_server(app, args.host, args.port, threads=args.threads)
     # This exact line is how launchers learn the port when --port 0 was asked for.
     print(f"serving {name} on http://{args.host}:{server.effective_port}", flush=True)
@@ -45,6 +55,13 @@ def main(argv=None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.parent_pid is not None:  # an orphan would hold its port and JVMs forever
+        def watch_parent():
+            while os.getppid() == args.parent_pid:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch_parent, daemon=True).start()
     try:
         server.run()
     except KeyboardInterrupt:

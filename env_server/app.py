@@ -18,21 +18,26 @@ alias of `id` (AgentGym's SearchQA and WebArena servers use it). Unlike AgentGym
 
 Instances are kept in a dict under one lock; each has its own lock so that two requests for the same
 instance never interleave, while requests for different instances run in parallel. Instances idle for
-longer than `idle_timeout_s` are closed by a reaper thread, and live instances are capped.
+longer than `idle_timeout_s` are closed by a reaper thread, and live instances are capped. Every call
+into a game runs under a deadline (`op_timeout_s`, see `Runner`): a hung game costs its own instance,
+never a server thread or the other instances. Instance ids start at a random base, so that a client
+of a server that was restarted gets a 404 for its old ids instead of driving someone else's game.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
+import random
 import subprocess
 import sys
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -51,7 +56,7 @@ class ApiError(Exception):
 
 
 class Instance:
-    __slots__ = ("env", "lock", "last_used", "task", "done", "closed")
+    __slots__ = ("env", "lock", "last_used", "task", "done", "closed", "hung")
 
     def __init__(self, env: Env):
         self.env = env
@@ -60,17 +65,92 @@ class Instance:
         self.task: int | None = None  # the task id of the running episode, None before the first reset
         self.done = False
         self.closed = False
+        self.hung = False  # a call into the game ran past the deadline and still holds the lock
+
+
+class Hung(Exception):
+    """The result of a call that ran past the runner's deadline."""
+
+
+class Runner:
+    """Runs calls into games on worker threads, each call under a deadline.
+
+    `run(calls)` splits the list into `threads` contiguous slices played in parallel (one slice: in
+    order, on one thread, as GIL-bound games want); each call's result, or the exception it raised, comes
+    back in place. A call still running `timeout_s` after it started gets a `Hung` result: its thread is
+    left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh one, and the
+    caller marks the instance hung. The executor grows a new thread whenever none is idle.
+    """
+
+    def __init__(self, threads: int, timeout_s: float):
+        self.threads, self.timeout_s = max(1, threads), timeout_s
+        self.pool = ThreadPoolExecutor(4096, thread_name_prefix="env-call")
+        self.lock = threading.Lock()
+        self.abandoned = 0  # threads left behind in hung calls
+
+    def run(self, calls: list) -> list:
+        if not calls:
+            return []
+        results: list = [None] * len(calls)
+        size = -(-len(calls) // self.threads)
+        jobs = {}  # future -> its slice's progress [next index, end, start time of the current call, abandoned]
+
+        def play(state):
+            while True:
+                with self.lock:
+                    if state[3] or state[0] >= state[1]:
+                        return
+                    j, state[2] = state[0], time.monotonic()
+                try:
+                    r = calls[j]()
+                except Exception as e:
+                    r = e
+                with self.lock:
+                    if state[3]:  # declared hung meanwhile: its result went out as Hung
+                        return
+                    results[j], state[0] = r, j + 1
+
+        def start(lo: int, hi: int):
+            state = [lo, hi, time.monotonic(), False]
+            jobs[self.pool.submit(play, state)] = state
+
+        for lo in range(0, len(calls), size):
+            start(lo, min(lo + size, len(calls)))
+        while jobs:
+            now = time.monotonic()
+            wait_s = min(max(0.0, s[2] + self.timeout_s - now) for s in jobs.values())
+            done, _ = wait(list(jobs), timeout=wait_s + 0.01, return_when=FIRST_COMPLETED)
+            for f in done:
+                del jobs[f]
+            now = time.monotonic()
+            for f, state in list(jobs.items()):
+                with self.lock:
+                    late = not f.done() and state[0] < state[1] and now - state[2] > self.timeout_s
+                    if late:
+                        state[3] = True
+                        self.abandoned += 1
+                if late:
+                    del jobs[f]
+                    j = state[0]
+                    results[j] = Hung(f"the game did not answer within {self.timeout_s:g} s (--op-timeout)")
+                    if j + 1 < state[1]:
+                        start(j + 1, state[1])
+        return results
 
 
 class Registry:
     """Live instances, the id counter, the cap and the reaper."""
 
-    def __init__(self, env_cls: type[Env], world, max_instances: int, idle_timeout_s: float):
+    def __init__(self, env_cls: type[Env], world, max_instances: int, idle_timeout_s: float,
+                 lock_timeout_s: float = 60.0, first_id: int | None = None):
         self.env_cls, self.world = env_cls, world
+        self.lock_timeout_s = lock_timeout_s
         self.num_tasks = env_cls.num_tasks(world)
         self.max_instances, self.idle_timeout_s = max_instances, idle_timeout_s
         self.instances: dict[int, Instance] = {}
-        self.next_id = 0  # ids count up from 0 and are never reused, so a stale id can't hit a new game
+        # Ids count up from a random base and are never reused, so a stale id can't hit a new game,
+        # not even one of the next server started on this port.
+        self.first_id = self.next_id = random.randrange(1, 2000) * 1_000_000 if first_id is None else first_id
         self.lock = threading.Lock()
         self.reaped = 0
         self._stop = threading.Event()
@@ -97,21 +177,61 @@ class Registry:
     def get(self, iid: int) -> Instance:
         inst = self.instances.get(iid)
         if inst is None or inst.closed:
-            if 0 <= iid < self.next_id:
+            if self.first_id <= iid < self.next_id:
                 raise ApiError(404, f"instance {iid} is closed (or was reaped after "
                                     f"{self.idle_timeout_s:g} s idle)")
-            raise ApiError(404, f"unknown instance id {iid}")
+            raise ApiError(404, f"unknown instance id {iid} (not created by this server)")
+        if inst.hung:
+            raise ApiError(503, f"instance {iid} is hung: a call into its game ran past the deadline; "
+                                "close it and create another")
         return inst
 
-    def close(self, iid: int) -> None:
-        inst = self.get(iid)
-        with inst.lock:
+    @contextlib.contextmanager
+    def hold(self, iid: int, inst: Instance):
+        """The instance's lock, for one call into its game; a 503 rather than a wait without end."""
+        if not inst.lock.acquire(timeout=self.lock_timeout_s):
+            raise ApiError(503, f"instance {iid} is busy: another call into its game has not returned")
+        try:
             if inst.closed:
                 raise ApiError(404, f"instance {iid} is closed")
-            inst.closed = True
-            with self.lock:
-                self.instances.pop(iid, None)
+            inst.last_used = time.monotonic()
+            yield inst
+        finally:
+            inst.last_used = time.monotonic()  # idle time counts from the end of a call, however long
+            inst.lock.release()
+
+    def mark_hung(self, iid) -> None:
+        inst = self.instances.get(iid) if isinstance(iid, int) else None
+        if inst is not None and not inst.closed:
+            inst.hung = True
+            log.warning("instance %d is hung: a call into its game ran past the deadline", iid)
+
+    def close(self, iid: int) -> None:
+        inst = self.instances.get(iid)
+        if inst is not None and inst.hung:  # its lock is held for good: close without it
+            self._drop(iid, inst)
+            return
+        inst = self.get(iid)
+        with self.hold(iid, inst):
+            self._drop(iid, inst)
+
+    def _drop(self, iid: int, inst: Instance) -> None:
+        """Unlist and close an instance. A hung one is closed on a thread of its own: closing may be what
+        frees its stuck call (a JVM killed), or may hang as well."""
+        inst.closed = True
+        with self.lock:
+            self.instances.pop(iid, None)
+        if inst.hung:
+            threading.Thread(target=self._close_quietly, args=(iid, inst), daemon=True).start()
+        else:
             inst.env.close()
+
+    @staticmethod
+    def _close_quietly(iid: int, inst: Instance) -> None:
+        try:
+            inst.env.abandon() if inst.hung else inst.env.close()
+        except Exception:
+            log.exception("closing instance %d failed", iid)
 
     def _reap_loop(self) -> None:
         period = min(max(self.idle_timeout_s / 4, 0.05), 30.0)
@@ -125,6 +245,11 @@ class Registry:
             idle = [(i, x) for i, x in self.instances.items()
                     if x is not None and now - x.last_used > self.idle_timeout_s]
         for iid, inst in idle:
+            if inst.hung:  # abandoned by its client after the deadline; its lock is never coming back
+                if not inst.closed:
+                    self._drop(iid, inst)
+                    n += 1
+                continue
             if not inst.lock.acquire(blocking=False):
                 continue  # busy right now, so not idle
             try:
@@ -133,10 +258,7 @@ class Registry:
                 inst.closed = True
                 with self.lock:
                     self.instances.pop(iid, None)
-                try:
-                    inst.env.close()
-                except Exception:
-                    log.exception("closing reaped instance %d failed", iid)
+                self._close_quietly(iid, inst)
                 n += 1
             finally:
                 inst.lock.release()
@@ -150,7 +272,7 @@ class Registry:
             self.instances.clear()
         for inst in live:
             try:
-                inst.env.close()
+                inst.env.abandon() if inst.hung else inst.env.close()
             except Exception:
                 log.exception("closing instance at shutdown failed")
 
@@ -175,6 +297,10 @@ def _str(body: dict, name: str, max_len: int = 100_000) -> str:
         raise ApiError(400, f"field {name!r} must be a string, got {type(v).__name__}")
     if len(v) > max_len:
         raise ApiError(400, f"field {name!r} is longer than {max_len} characters")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can carry "\ud800"; a game's JVM or browser cannot take it
+        raise ApiError(400, f"field {name!r} is not valid Unicode: lone surrogate at {e.start}") from None
     return v
 
 
@@ -194,22 +320,27 @@ def _json(obj, status: int = 200) -> Response:
 
 # ---------------------------------------------------------------- the app
 def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idle_timeout_s: float = 900.0,
-               max_body_bytes: int = 1 << 20, max_batch_ops: int = 4096) -> Flask:
-    """Build the Flask app serving `env_cls`. `world` defaults to `env_cls.load_world()`."""
+               op_timeout_s: float = 60.0, max_body_bytes: int = 1 << 20, max_batch_ops: int = 4096,
+               first_id: int | None = None) -> Flask:
+    """Build the Flask app serving `env_cls`. `world` defaults to `env_cls.load_world()`; `first_id` pins
+    the first instance id (tests), else it is random."""
     if world is None:
         world = env_cls.load_world(None)
-    reg = Registry(env_cls, world, max_instances, idle_timeout_s)
+    reg = Registry(env_cls, world, max_instances, idle_timeout_s, lock_timeout_s=op_timeout_s, first_id=first_id)
     app = Flask(f"env_server.{env_cls.name}")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes  # werkzeug answers 413 past this
     app.extensions["registry"] = reg
-    batch_threads = getattr(env_cls, "batch_threads", 1)
-    pool = ThreadPoolExecutor(batch_threads, thread_name_prefix="env-batch") if batch_threads > 1 else None
+    # Games that wait on I/O or a JVM set batch_threads > 1 to play a batch's ops in parallel.
+    runner = Runner(getattr(env_cls, "batch_threads", 1), op_timeout_s)
+    app.extensions["runner"] = runner
 
     def body() -> dict:
         try:
             data = json.loads(request.get_data(cache=False) or b"{}")
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:  # brackets nested past Python's recursion limit: "[" * 100000
+            raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
         return data
@@ -232,10 +363,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     def op_reset(b: dict) -> dict:
         iid, idx = _int(b, "id", "env_idx"), task_id(b)
         inst = reg.get(iid)
-        with inst.lock:
-            if inst.closed:
-                raise ApiError(404, f"instance {iid} is closed")
-            inst.last_used = time.monotonic()
+        with reg.hold(iid, inst):
             obs = inst.env.reset(idx)
             inst.task, inst.done = idx, False
         return {"id": iid, "observation": obs, "reward": 0, "score": 0, "done": False}
@@ -243,14 +371,11 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     def op_step(b: dict) -> dict:
         iid, action = _int(b, "id", "env_idx"), _str(b, "action")
         inst = reg.get(iid)
-        with inst.lock:
-            if inst.closed:
-                raise ApiError(404, f"instance {iid} is closed")
+        with reg.hold(iid, inst):
             if inst.task is None:
                 raise ApiError(409, f"instance {iid} has no task yet: call /reset first")
             if inst.done:
                 raise ApiError(409, f"the episode of instance {iid} is over: call /reset to start another")
-            inst.last_used = time.monotonic()
             r = inst.env.step(action)
             inst.done = bool(r.done)
         score = r.reward if r.score is None else r.score
@@ -263,13 +388,27 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     ops = {"create": op_create, "reset": op_reset, "step": op_step, "close": op_close}
 
-    def read(iid: int, fn):
-        inst = reg.get(iid)
-        with inst.lock:
-            if inst.closed:
-                raise ApiError(404, f"instance {iid} is closed")
-            inst.last_used = time.monotonic()
-            return fn(inst)
+    def settle(iid, r):
+        """A runner result as the answer: a hung call marks its instance and is a 504."""
+        if isinstance(r, Hung):
+            reg.mark_hung(iid)
+            raise ApiError(504, f"instance {iid}: {r}; the instance takes no more calls, close it")
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def guarded(b: dict, op):  # one op, on a runner thread, under the deadline
+        iid = b.get("id", b.get("env_idx"))
+        return settle(iid, runner.run([lambda: op(b)])[0])
+
+    def read(iid: int, fn, needs_task: bool = True):
+        def call():
+            inst = reg.get(iid)
+            with reg.hold(iid, inst):
+                if needs_task and inst.task is None:  # a game has no state before its first reset
+                    raise ApiError(409, f"instance {iid} has no task yet: call /reset first")
+                return fn(inst)
+        return settle(iid, runner.run([call])[0])
 
     # -- routes
     @app.get("/")
@@ -284,19 +423,19 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     @app.post("/create")
     def create():
-        return _json(op_create(body()))
+        return _json(guarded(body(), op_create))
 
     @app.post("/reset")
     def reset():
-        return _json(op_reset(body()))
+        return _json(guarded(body(), op_reset))
 
     @app.post("/step")
     def step():
-        return _json(op_step(body()))
+        return _json(guarded(body(), op_step))
 
     @app.post("/close")
     def close():
-        return _json(op_close(body()))
+        return _json(guarded(body(), op_close))
 
     @app.get("/observation")
     def observation():
@@ -310,7 +449,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     def detail():
         def fn(inst):
             return {**inst.env.detail(), "task": inst.task, "done": inst.done}
-        return _json(read(_query_id(), fn))
+        return _json(read(_query_id(), fn, needs_task=False))  # (a SciWorld instance: no JVM yet)
 
     @app.get("/expert_action")
     def expert_action():
@@ -327,7 +466,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         def run_one(item):
             # One op's failure is its own result; the other ops of the batch still run.
             try:
-                if not isinstance(item, dict) or item.get("op") not in ops:
+                if not isinstance(item, dict) or not isinstance(item.get("op"), str) or item["op"] not in ops:
                     raise ApiError(400, f"each op needs \"op\" in {sorted(ops)}")
                 return ops[item["op"]](item)
             except ApiError as e:
@@ -338,8 +477,12 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
                 log.exception("batch op %r failed", item.get("op"))
                 return {"error": f"internal error: {type(e).__name__}: {e}", "status": 500}
 
-        results = list(pool.map(run_one, items)) if pool else [run_one(x) for x in items]
-        return _json({"results": results})
+        results = runner.run([lambda x=x: run_one(x) for x in items])
+        for item, r in zip(items, results):
+            if isinstance(r, Hung):
+                reg.mark_hung(item.get("id", item.get("env_idx")))
+        return _json({"results": [{"error": str(r), "status": 504} if isinstance(r, Hung) else r
+                                  for r in results]})
 
     # -- errors: always JSON, never a crash
     @app.errorhandler(ApiError)
@@ -378,6 +521,9 @@ def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     opts = {"connection_limit": 2048, "channel_timeout": 300, "send_bytes": 1 << 16, "asyncore_use_poll": True,
             "ident": "env_server", **kw}
+    cap = getattr(app, "config", {}).get("MAX_CONTENT_LENGTH")
+    if cap:  # waitress would buffer up to 1 GB for Flask's (JSON) 413; far past the cap it refuses (plain text)
+        opts.setdefault("max_request_body_size", 16 * cap)
     with warnings.catch_warnings():  # waitress 3.0 marks send_bytes deprecated; requirements pin 3.0.2
         warnings.filterwarnings("ignore", message="send_bytes", category=DeprecationWarning)
         return create_server(app, host=host, port=port, threads=threads, **opts)
@@ -420,18 +566,25 @@ def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", por
 
 
 class ServerProcess:
-    """`python -m env_server NAME` in a child process, on a free port; `.url`, `.stop()`.
+    """`python -m env_server NAME` in a child process, on a free port; `.url`, `.stop()`, `.restart()`.
 
     Used by train.py when no `--env-addr` is given, and by tests and benches. A separate process keeps
-    the env off the trainer's GIL.
+    the env off the trainer's GIL. It runs in its own session, so a Ctrl-C meant for the trainer does not
+    kill it mid-step (the trainer stops it), and it exits by itself if the trainer dies.
     """
 
-    def __init__(self, name: str, *args: str, host: str = "127.0.0.1", start_timeout_s: float = 60.0,
-                 env: dict | None = None):
+    def __init__(self, name: str, *args: str, host: str = "127.0.0.1", port: int = 0,
+                 start_timeout_s: float = 60.0, env: dict | None = None):
+        self.name, self.args, self.host, self.env = name, args, host, env
+        self.start_timeout_s = start_timeout_s
+        self._launch(port)
 
-        cmd = [sys.executable, "-m", "env_server", name, "--host", host, "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    def _launch(self, port: int) -> None:
+        cmd = [sys.executable, "-m", "env_server", self.name, "--host", self.host, "--port", str(port),
+               "--parent-pid", str(os.getpid()), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     start_new_session=True)
         self.stderr_tail: list[str] = []
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put("")],
@@ -439,15 +592,24 @@ class ServerProcess:
         # Keep the last lines of stderr for error messages; reading also keeps the pipe from filling.
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         try:
-            line = lines.get(timeout=start_timeout_s)
+            line = lines.get(timeout=self.start_timeout_s)
         except queue.Empty:
             self.stop()
-            raise RuntimeError(f"env server {name!r} did not start within {start_timeout_s:g} s") from None
+            raise RuntimeError(f"env server {self.name!r} did not start within {self.start_timeout_s:g} s") from None
         if not line.startswith("serving "):
             self.proc.wait(10)
-            raise RuntimeError(f"env server {name!r} exited with code {self.proc.returncode}:\n"
+            raise RuntimeError(f"env server {self.name!r} exited with code {self.proc.returncode}:\n"
                                + "".join(self.stderr_tail[-30:]))
         self.url = line.split(" on ", 1)[1].strip()
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self) -> None:
+        """Start it again on the same port (its clients' address stays valid)."""
+        self.stop()
+        self._launch(self.port)
 
     def _drain_stderr(self) -> None:
         for line in self.proc.stderr:

@@ -74,7 +74,8 @@ class Env:
         return []
 
     def detail(self) -> dict:
-        """JSON-able description of the current state (goal, inventory, ...)."""
+        """JSON-able description of the current state (goal, inventory, ...); also asked before the first
+        reset, when there is no state yet."""
         return {}
 
     def expert_action(self) -> str | None:
@@ -83,3 +84,9 @@ class Env:
 
     def close(self) -> None:
         """Free resources (a JVM, a browser). Called once."""
+
+    def abandon(self) -> None:
+        """Called instead of close() when a call into this instance ran past the server's deadline, on
+        another thread while that call may still be stuck: free what can be freed without waiting on it.
+        Killing what the call waits on (a JVM) also frees its thread."""
+        self.close()

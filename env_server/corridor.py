@@ -31,6 +31,14 @@ class CorridorEnv(Env):
     def task_category(cls, world, idx: int) -> str:
         return f"distance_{1 + (idx // 2) % 3}"
 
+    def __init__(self, world):
+        super().__init__(world)
+        self.goal: int | None = None  # None until the first reset
+
+    def _require_task(self) -> None:
+        if self.goal is None:
+            raise TaskError("no task: call reset first", 409)
+
     def reset(self, idx: int) -> str:
         if not 0 <= idx < NUM_TASKS:
             raise TaskError(f"task id {idx} out of range 0..{NUM_TASKS - 1}", 404)
@@ -39,12 +47,14 @@ class CorridorEnv(Env):
         return self.observation()
 
     def observation(self) -> str:
+        self._require_task()
         gap = self.goal - self.pos
         if gap == 0:
             return "You reached the goal."
         return f"The goal is {abs(gap)} steps to your {'right' if gap > 0 else 'left'}."
 
     def step(self, action: str) -> StepResult:
+        self._require_task()
         if self.done:
             raise TaskError("the episode is over", 409)
         words = [w for w in action.lower().replace(",", " ").replace(".", " ").split() if w in ("left", "right")]
@@ -57,7 +67,9 @@ class CorridorEnv(Env):
         return ["left", "right"]
 
     def detail(self) -> dict:
+        if self.goal is None:
+            return {"goal": None, "position": None}
         return {"goal": self.goal, "position": self.pos}
 
     def expert_action(self) -> str | None:
-        return None if self.done else ("right" if self.goal > self.pos else "left")
+        return None if self.goal is None or self.done else ("right" if self.goal > self.pos else "left")

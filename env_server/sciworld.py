@@ -245,6 +245,10 @@ class SciWorldEnv(Env):
             raise TaskError("the episode is over: call reset to start another", 409)
         if not isinstance(action, str):
             raise TaskError(f"action must be a string, got {type(action).__name__}")
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError:  # py4j cannot send it and would take the JVM for lost (a 503)
+            raise TaskError("action is not valid Unicode: it has a lone surrogate") from None
         self._require_jvm()
         server = self._sw.server
         observation = self._game(server.step, action)
@@ -315,6 +319,14 @@ class SciWorldEnv(Env):
         self._moves = sw.server.getNumMoves()
 
     def close(self) -> None:
+        self._stop_jvm()
+
+    def abandon(self) -> None:
+        # A hung JVM would hang a polite shutdown too (py4j has no read timeout): kill it first. The
+        # stuck call then fails on its closed socket and its thread ends.
+        sw = self._sw
+        if sw is not None:
+            sw._gateway.java_process.kill()
         self._stop_jvm()
 
 

@@ -26,7 +26,9 @@ Departures from upstream, all for determinism or correctness:
   `random.Random(task id)` from sorted lists, so a task id is the same task in every process;
 - the recipe book is never modified (upstream's tree walk appends to its recipe lists, so what `craft`
   accepts drifts over resets);
-- a task id out of range is an error (upstream wraps it), and so is a step after done.
+- a task id out of range is an error (upstream wraps it), and so is a step after done;
+- a count of more than 9 digits does not parse, so the command fails as an unparsable one does (upstream
+  raises past 4300 digits, where Python 3.11+ refuses int()).
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ MAX_DISTRACTORS = 10  # upstream: at most 10 distractor commands, and 10 sampled
 TEST_FRACTION = 0.2
 
 # The command grammar (upstream's, compiled once). `match` anchors at the start only, like upstream.
+# Counts have at most 9 digits: int() refuses more than 4300, and no game needs a billion items.
 _CRAFT = re.compile(r"craft (.*) using (.*)")
-_GET = re.compile(r"get ([0-9]+) (.*)")
-_COUNT = re.compile(r"([0-9]+) (.*)")
+_GET = re.compile(r"get ([0-9]{1,9}) (.*)")
+_COUNT = re.compile(r"([0-9]{1,9}) (.*)")
 
 
 def to_id(name: str) -> str:

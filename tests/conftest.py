@@ -60,8 +60,8 @@ def sampled_runs(t):
 
 @pytest.fixture
 def toy_server():
-    """A fresh CounterEnv server on a thread; yields its base URL."""
-    url, stop = serve_in_thread(CounterEnv)
+    """A fresh CounterEnv server on a thread, instance ids from 0; yields its base URL."""
+    url, stop = serve_in_thread(CounterEnv, first_id=0)
     yield url
     stop()
 
@@ -72,7 +72,7 @@ def make_toy_server():
     stops = []
 
     def make(**kw):
-        url, stop = serve_in_thread(CounterEnv, **kw)
+        url, stop = serve_in_thread(CounterEnv, **{"first_id": 0, **kw})
         stops.append(stop)
         return url
 

@@ -1,5 +1,6 @@
 """The bench scripts still run (tiny settings); their numbers are read by people, not asserted."""
 
+import re
 import subprocess
 import sys
 
@@ -15,3 +16,18 @@ def test_env_throughput_bench_runs():
     rows = [line.split() for line in lines[2:]]
     assert [r[:2] for r in rows] == [["single", "4"], ["batch", "4"]]
     assert all(r[5] == "0" for r in rows)  # no errors
+
+
+def test_soak_bench_runs():
+    out = subprocess.run([sys.executable, "bench/soak.py", "--env", "corridor", "--minutes", "0.05", "--instances", "8",
+                          "--steps", "3", "--idle-timeout", "0.5", "--sample-s", "0.5",
+                          "--max-rss-growth", "1000"],  # 3 s are no warm-up: the RSS check is for real soaks
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split() == ["elapsed_s", "live", "abandoned", "reaped", "rss_mb", "steps/s", "errors"]
+    summary = next(line for line in lines if line.startswith("corridor:") and "rounds" in line)
+    assert "0 errors" in summary and "live at the end 0" in summary
+    abandoned, reaped = re.search(r"abandoned (\d+), reaped (\d+)", summary).groups()
+    assert int(abandoned) > 0 and reaped == abandoned
+    assert "RSS peak after warm-up" in lines[-1]

@@ -61,7 +61,7 @@ def test_bad_input(server):
         ("POST", "/step", b"{oops", 400),
         ("POST", "/step", {"id": iid}, 400),
         ("POST", "/step", {"id": str(iid), "action": "x"}, 400),
-        ("POST", "/step", {"id": 10**9, "action": "x"}, 404),
+        ("POST", "/step", {"id": 10**12, "action": "x"}, 404),
         ("GET", "/observation?id=nope", None, 400),
         ("POST", "/step", {"id": iid, "action": "x" * (2 << 20)}, 413),
     ]

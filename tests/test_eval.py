@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT
 from flask import Flask, jsonify
 
+import agents
 import eval as ev
 from env_server.app import ServerProcess, serve_wsgi_in_thread
 
@@ -116,7 +117,7 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
     assert res["overall"]["avg@2"] == pytest.approx(0.5) and res["overall"]["pass@2"] == pytest.approx(0.5)
     # The same messages as training: instruction, acknowledgement, first observation, then the dialogue.
     first = seen[0]
-    assert first["model"] == "fake" and first["messages"][0]["content"] == ev.opening_messages("corridor", "x")[0]["content"]
+    assert first["model"] == "fake" and first["messages"][0]["content"] == agents.opening_messages("corridor", "x")[0]["content"]
     assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user"]
     with open(tmp_path / "eval_rollouts.jsonl") as f:
         trajs = [json.loads(x) for x in f]

@@ -14,7 +14,8 @@ from conftest import ROOT, sampled_runs
 import sft
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
-from rollout import ChatFormat, RolloutConfig, Trajectory, react_reply, write_log
+from agents import react_reply
+from rollout import ChatFormat, RolloutConfig, Trajectory, write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

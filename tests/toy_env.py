@@ -58,4 +58,4 @@ class CounterEnv(Env):
         return f"add {self.target - self.total}"
 
     def detail(self):
-        return {"target": self.target, "total": self.total}
+        return {"target": getattr(self, "target", None), "total": getattr(self, "total", None)}

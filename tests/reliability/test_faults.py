@@ -1,0 +1,293 @@
+"""Faults around a training run: hung games, env servers that die or come back, a broken game, and
+instances lost with their server. Each fault costs only what it touches, and training goes on (or
+stops with a clear message when there is nothing sound left to train on)."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, raw
+from toy_env import CounterEnv
+
+from env_client import EnvClient, EnvError, EnvPool
+from env_server.app import ServerProcess, serve_in_thread
+
+FAULTY = os.path.join(ROOT, "tests", "reliability", "faulty_env.py")
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+        "--eval-every", "0", "--schedule", "4"]
+
+
+class ThreadedCounter(CounterEnv):
+    batch_threads = 4  # a batch's ops on 4 threads (the SciWorld / Deep Search path)
+
+
+# ---------------------------------------------------------------- the server: a hung game
+@pytest.mark.parametrize("env_cls", [CounterEnv, ThreadedCounter])
+def test_a_hung_call_costs_its_own_instance_only(env_cls):
+    url, stop = serve_in_thread(env_cls, op_timeout_s=0.5, first_id=0)
+    try:
+        for i in range(4):
+            raw(url, "POST", "/create", {"data_idx": 0})
+        t0 = time.monotonic()
+        status, out = raw(url, "POST", "/batch", {"ops": [
+            {"op": "step", "id": 0, "action": "add 1"}, {"op": "step", "id": 1, "action": "sleep 30"},
+            {"op": "step", "id": 2, "action": "add 1"}, {"op": "step", "id": 3, "action": "add 3"}]})
+        took = time.monotonic() - t0
+        r = out["results"]
+        assert status == 200 and took < 5, took
+        assert r[1]["status"] == 504 and "--op-timeout" in r[1]["error"]
+        assert r[0]["observation"] == r[2]["observation"] == "Total: 1" and r[3]["done"] is True
+        # the hung instance answers at once from now on, and can be closed; the others play on
+        t0 = time.monotonic()
+        status, e = raw(url, "POST", "/step", {"id": 1, "action": "add 1"})
+        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < 1
+        assert raw(url, "POST", "/step", {"id": 0, "action": "add 2"})[1]["done"] is True
+        status, e = raw(url, "POST", "/step", {"id": 2, "action": "sleep 30"})  # a single-step call
+        assert status == 504
+        assert raw(url, "POST", "/close", {"id": 1}) == (200, True)
+        assert raw(url, "GET", "/")[1]["instances"] == 3
+        assert raw(url, "POST", "/create", {"data_idx": 1})[0] == 200
+    finally:
+        stop()
+
+
+def test_idle_time_counts_from_the_end_of_a_call():
+    """A call longer than the idle timeout must not leave its instance to the reaper the moment it
+    returns, before the client's next request."""
+    url, stop = serve_in_thread(CounterEnv, idle_timeout_s=0.5, first_id=0)
+    try:
+        raw(url, "POST", "/create", {"data_idx": 0})
+        assert raw(url, "POST", "/step", {"id": 0, "action": "sleep 1"})[0] == 200
+        time.sleep(0.2)
+        assert raw(url, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200
+    finally:
+        stop()
+
+
+def test_pool_replaces_instances_lost_with_their_server():
+    """Killed mid-episode and started again on the same port: the steps in flight are env errors, and
+    the next reset plays on new instances; the old ids are unknown to the new server (never reused)."""
+    url, stop = serve_in_thread(CounterEnv)
+    port = int(url.rsplit(":", 1)[1])
+    pool = EnvPool(url, 4, retries=0)
+    try:
+        assert pool.reset([0, 1, 2, 3]) == ["Reach 3.", "Reach 4.", "Reach 5.", "Reach 6."]
+        old = [c.id for c in pool.clients]
+        stop()
+        assert all(e.instance_lost for e in pool.step(["add 1"] * 4))
+        assert all(e.kind == "connection" for e in pool.reset([0, 1, 2, 3]))  # still down
+        url2, stop = serve_in_thread(CounterEnv, port=port)
+        for cid in old:
+            assert raw(url2, "POST", "/step", {"id": cid, "action": "add 1"})[0] == 404
+        assert pool.reset([0, 1, 2, 3]) == ["Reach 3.", "Reach 4.", "Reach 5.", "Reach 6."]
+        assert [s.done for s in pool.step(["add 3"] * 4)] == [True, False, False, False]
+        assert not set(old) & {c.id for c in pool.clients}
+    finally:
+        pool.close()
+        stop()
+
+
+# ---------------------------------------------------------------- train.py against faulty servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Faulty:
+    """tests/reliability/faulty_env.py in a child process on a fixed port: .url, .kill(), .start()."""
+
+    def __init__(self, *args: str, port: int | None = None):
+        self.args, self.port = args, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        for _ in range(50):  # the port may still be held for a moment by the killed one
+            self.proc = subprocess.Popen([sys.executable, FAULTY, "--port", str(self.port), *self.args],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            if self.proc.stdout.readline().startswith("serving "):
+                return
+            self.proc.wait()
+            time.sleep(0.2)
+        raise RuntimeError("faulty server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def start_train(args, cache_dir) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *args, "--cache-dir", cache_dir], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f]
+
+
+def rollouts(out_dir: str, step: int) -> list[dict]:
+    with open(os.path.join(out_dir, "rollouts", f"step_{step:06d}.jsonl")) as f:
+        return [json.loads(x) for x in f]
+
+
+def wait_for(cond, timeout: float = 240.0, proc=None) -> None:
+    t0 = time.time()
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"train.py ended early: {finish(proc)[1][-3000:]}")
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def n_metrics(out_dir: str) -> int:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+
+
+def test_server_killed_mid_rollout_then_back(tmp_path, cache_dir):
+    """The trajectories in flight become env errors and are not trained on; the run waits for the
+    server, and once it is back the pool plays on new instances."""
+    out = str(tmp_path / "run")
+    with Faulty("--delay", "0.3") as server:
+        proc = start_train([*TINY, "--steps", "4", "--out", out, "--env-addr", server.url, "--env-wait", "60"],
+                           cache_dir)
+        wait_for(lambda: n_metrics(out) >= 1, proc=proc)
+        time.sleep(0.5)  # inside step 2's rollout: every turn takes 0.3 s
+        server.kill()
+        threading.Timer(2.0, server.start).start()
+        code, log = finish(proc)
+        assert code == 0, log[-3000:]
+    m = metrics(out)
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    hit = [x for x in m if x["status_env_error"]]
+    assert hit and hit[0]["step"] == 2 and hit[0]["skipped_update"] == 1
+    assert m[-1]["status_env_error"] == 0 and m[-1]["skipped_update"] == 0 and "loss" in m[-1]
+    rows = rollouts(out, 2)
+    assert any(r["status"] == "env_error" and "connection" in r["error"] for r in rows)
+
+
+def child_servers(pid: int) -> list[int]:
+    """The env server processes started by `pid` (from /proc/*/stat: field 4 is the parent's pid)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            if d.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid and \
+                    b"env_server" in open(f"/proc/{d}/cmdline", "rb").read():
+                kids.append(int(d))
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def test_a_local_server_that_dies_is_restarted(tmp_path, cache_dir):
+    out = str(tmp_path / "run")
+    proc = start_train([*TINY, "--steps", "3", "--out", out], cache_dir)
+    wait_for(lambda: n_metrics(out) >= 1, proc=proc)
+    (pid,) = child_servers(proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    code, log = finish(proc)
+    assert code == 0, log[-3000:]
+    assert "env server died" in log and "restarting it" in log
+    assert [x["step"] for x in metrics(out)] == [1, 2, 3]
+    assert metrics(out)[-1]["status_env_error"] == 0
+
+
+def test_a_hung_game_hits_its_timeout(tmp_path, cache_dir):
+    """Task 0 never answers a step: its trajectories end as env errors after --op-timeout, the server's
+    deadline; task 1's are played and trained on, step after step."""
+    out, tasks = str(tmp_path / "run"), tmp_path / "tasks.json"
+    tasks.write_text(json.dumps({"train": [0, 1], "test": []}))
+    with Faulty("--hang-task", "0", "--op-timeout", "1") as server:
+        code, log = finish(start_train([*TINY, "--steps", "2", "--out", out, "--env-addr", server.url,
+                                        "--tasks-file", str(tasks)], cache_dir))
+    assert code == 0, log[-3000:]
+    for x in metrics(out):
+        assert x["status_env_error"] == 2 and x["skipped_update"] == 0 and "loss" in x
+    errors = [r["error"] for r in rollouts(out, 2) if r["status"] == "env_error"]
+    assert [r["item_id"] for r in rollouts(out, 2) if r["status"] == "env_error"] == [0, 0]
+    assert all("504" in e and "--op-timeout" in e for e in errors)
+
+
+def test_too_many_env_errors_stop_the_run(tmp_path, cache_dir):
+    out = str(tmp_path / "run")
+    with Faulty("--fail") as server:
+        code, log = finish(start_train([*TINY, "--steps", "6", "--out", out, "--env-addr", server.url,
+                                        "--env-error-patience", "2"], cache_dir))
+    assert code == 1, log[-3000:]
+    assert "--max-env-error-share" in log and "injected fault" in log and "--resume" in log
+    m = metrics(out)
+    assert [x["step"] for x in m] == [1, 2] and all(x["skipped_update"] == 1 for x in m)
+    assert os.path.exists(os.path.join(out, "checkpoint", "trainer_state.pt"))
+
+
+# ---------------------------------------------------------------- SciWorld: a JVM that stops answering
+SCIWORLD_MISSING = ("the scienceworld package is not installed" if importlib.util.find_spec("scienceworld") is None
+                    else "java is not on PATH" if shutil.which("java") is None else None)
+
+
+@pytest.mark.skipif(SCIWORLD_MISSING is not None, reason=f"ScienceWorld cannot run: {SCIWORLD_MISSING}")
+def test_a_frozen_jvm_costs_its_own_instance_only():
+    """A JVM that is alive but never answers (SIGSTOP) would block its caller forever: the server's
+    deadline answers 504, the other instance plays on, and closing the hung one kills its JVM. (A JVM
+    that dies outright: tests/test_sciworld.py.)"""
+    with ServerProcess("sciworld", "--max-jvms", "2", "--op-timeout", "8", "--threads", "4") as s:
+        a, b = EnvClient(s.url), EnvClient(s.url)
+        try:
+            a.reset(0)
+            b.reset(0)
+            pid = a.detail()["jvm_pid"]
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(EnvError) as e:
+                a.step("look around")
+            assert e.value.status == 504 and time.monotonic() - t0 < 20
+            assert b.step("look around").observation.startswith("This room is called")
+            a.close()
+            for _ in range(100):  # the JVM is killed (a zombie until the server reaps it, or gone)
+                try:
+                    if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX":
+                        break
+                except FileNotFoundError:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the frozen JVM was not killed")
+            c = EnvClient(s.url)  # its JVM slot is free again, once the gateway has shut down
+            for _ in range(100):
+                try:
+                    c.reset(0)
+                    break
+                except EnvError as e:
+                    assert e.status == 503 and "--max-jvms" in e.message
+                    time.sleep(0.1)
+            print(f"slot free after {time.monotonic() - t0:.1f} s")
+            c.close()
+        finally:
+            b.close()

@@ -1,0 +1,148 @@
+"""The trainer under interruption: Ctrl-C and SIGTERM save a checkpoint and exit cleanly, --resume then
+continues exactly as if nothing had happened (same stage, same data order, same samples), a checkpoint
+write cut short never replaces the last good one, and the same seed gives the same trajectories."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
+
+import train
+
+COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
+DROP = ("time_rollout_s", "time_update_s", "tokens_per_s", "time_sync_s")
+
+
+def strip(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in DROP}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    with Faulty("--delay", "0.15") as server:  # rollouts long enough to be interrupted in the middle
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir, slow_server):
+    """4 steps without interruption."""
+    out = str(tmp_path_factory.mktemp("ref") / "run")
+    code, log = finish(start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url], cache_dir))
+    assert code == 0, log[-3000:]
+    return out
+
+
+def test_same_seed_same_first_step(tmp_path, cache_dir, slow_server, reference):
+    out = str(tmp_path / "run")
+    code, log = finish(start_train([*COMMON, "--steps", "1", "--out", out, "--env-addr", slow_server.url], cache_dir))
+    assert code == 0, log[-3000:]
+    assert rollouts(out, 1) == rollouts(reference, 1)  # token ids, log-probs, messages, rewards
+    assert strip(metrics(out)[0]) == strip(metrics(reference)[0])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_rollout_saves_and_resume_continues_exactly(tmp_path, cache_dir, slow_server, reference, sig):
+    out = str(tmp_path / "run")
+    proc = start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url], cache_dir)
+    wait_for(lambda: n_metrics(out) >= 2, proc=proc)
+    time.sleep(0.3)  # in step 3's rollout (at least 4 x 0.15 s of env time)
+    proc.send_signal(sig)
+    code, log = finish(proc)
+    assert code == 128 + sig, log[-3000:]
+    assert f"interrupted ({sig.name})" in log and "checkpoint at step 2" in log and "Traceback" not in log
+    assert torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)["step"] == 2
+    assert n_metrics(out) == 2 and not os.path.exists(os.path.join(out, "rollouts", "step_000003.jsonl"))
+
+    code, log = finish(start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url,
+                                    "--resume"], cache_dir))
+    assert code == 0, log[-3000:]
+    got, want = metrics(out), metrics(reference)
+    assert [x["step"] for x in got] == [1, 2, 3, 4] and [x["max_turns"] for x in got] == [2, 2, 4, 4]
+    assert [strip(x) for x in got] == [strip(x) for x in want]
+    for step in (3, 4):
+        assert rollouts(out, step) == rollouts(reference, step)
+
+
+def test_a_signal_waits_for_the_critical_section():
+    with train.Interrupts(defer_all=False) as intr:
+        with pytest.raises(KeyboardInterrupt):  # outside: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        intr.signum, reached = None, False
+        with pytest.raises(KeyboardInterrupt):
+            with intr.critical():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                reached = True  # the section runs to its end ...
+        assert reached and intr.signum == signal.SIGINT  # ... and the stop comes after it
+        with pytest.raises(train.StopNow):  # a second signal: at once
+            with intr.critical():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+def test_deferred_mode_only_records():
+    with train.Interrupts(defer_all=True) as intr:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert intr.signum == signal.SIGTERM  # the loop reads it at the end of the step
+
+
+def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = train.default_model_path("corridor", cache_dir)
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    opt = torch.optim.AdamW(model.parameters())
+    out = str(tmp_path)
+
+    def save(step):
+        train.save_checkpoint(out, model, tok, None, {"policy": opt}, {"step": step})
+
+    def step_of(ckpt):
+        return torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["step"]
+
+    save(1)
+    real_save = torch.save
+
+    def cut(obj, f, *a, **kw):  # a signal in the middle of writing the optimizer state
+        if str(f).endswith("optim.pt"):
+            with open(f, "wb") as fh:
+                fh.write(b"half")
+            raise KeyboardInterrupt
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        save(2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert train.find_checkpoint(out) == os.path.join(out, "checkpoint") and step_of(train.find_checkpoint(out)) == 1
+
+    real_replace, calls = os.replace, []
+
+    def crash_between_renames(a, b):  # killed after checkpoint -> checkpoint.old, before tmp -> checkpoint
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", crash_between_renames)
+    with pytest.raises(KeyboardInterrupt):
+        save(3)
+    monkeypatch.setattr(os, "replace", real_replace)
+    found = train.find_checkpoint(out)
+    assert found == os.path.join(out, "checkpoint.old") and step_of(found) == 1
+    assert train.load_checkpoint(found, model, None, {"policy": opt})["step"] == 1
+
+    save(4)  # the next good save cleans up
+    assert step_of(train.find_checkpoint(out)) == 4
+    assert sorted(os.listdir(out)) == ["checkpoint"]

@@ -161,3 +161,30 @@ def test_tasks_file_forms(tmp_path, corridor_url):
         f.write_text(bad)
         with pytest.raises(ValueError, match="--tasks-file"):
             task_splits(corridor_url, "corridor", str(f))
+
+
+# ---------------------------------------------------------------- every scheme trains with every algorithm
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_pp", "ppo"])
+@pytest.mark.parametrize("scheme", ["plan", "reflect"])
+def test_each_scheme_trains_with_each_algorithm(tmp_path, cache_dir, scheme, algo):
+    import train
+
+    out = tmp_path / "run"
+    cfg = train.parse_args(["--env", "corridor", "--agent", scheme, "--algo", algo, "--steps", "1", "--schedule", "5",
+                            "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+                            "--eval-every", "0", "--out", str(out), "--cache-dir", cache_dir])
+    summary = train.main(cfg)
+    assert summary["step"] == 1 and summary["skipped_update"] == 0 and "loss" in summary
+    with open(out / "rollouts" / "step_000001.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    assert all(r["agent"] == scheme and r["turns"] >= 2 for r in rows)
+    if scheme == "plan":  # the plan turn is the first reply, sampled and under the mask
+        assert all(r["messages"][4]["content"] == PLAN_GO for r in rows)
+    else:  # 5 turns: 2 for the first attempt, a reflection, 2 for the second, unless a game ended early
+        assert any(REFLECT_ASK in m["content"] for r in rows for m in r["messages"]) or \
+            any(r["status"] == "done" for r in rows)

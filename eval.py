@@ -239,10 +239,11 @@ def load_local(cfg: EvalConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import train
+    from checkpoints import find_checkpoint
     from rollout import ChatFormat, HFEngine
 
     if cfg.checkpoint:
-        ckpt = train.find_checkpoint(cfg.checkpoint)
+        ckpt = find_checkpoint(cfg.checkpoint)
         if ckpt is None:
             sys.exit(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected {cfg.checkpoint}/checkpoint/model)")
         path = os.path.join(ckpt, "model")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
 
+import checkpoints
 import train
 
 COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
@@ -72,7 +73,7 @@ def test_a_signal_mid_rollout_saves_and_resume_continues_exactly(tmp_path, cache
 
 
 def test_a_signal_waits_for_the_critical_section():
-    with train.Interrupts(defer_all=False) as intr:
+    with checkpoints.Interrupts(defer_all=False) as intr:
         with pytest.raises(KeyboardInterrupt):  # outside: at once
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
@@ -83,7 +84,7 @@ def test_a_signal_waits_for_the_critical_section():
                 time.sleep(0.05)
                 reached = True  # the section runs to its end ...
         assert reached and intr.signum == signal.SIGINT  # ... and the stop comes after it
-        with pytest.raises(train.StopNow):  # a second signal: at once
+        with pytest.raises(checkpoints.StopNow):  # a second signal: at once
             with intr.critical():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)
@@ -91,7 +92,7 @@ def test_a_signal_waits_for_the_critical_section():
 
 
 def test_deferred_mode_only_records():
-    with train.Interrupts(defer_all=True) as intr:
+    with checkpoints.Interrupts(defer_all=True) as intr:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert intr.signum == signal.SIGTERM  # the loop reads it at the end of the step
@@ -106,7 +107,7 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
     out = str(tmp_path)
 
     def save(step):
-        train.save_checkpoint(out, model, tok, None, {"policy": opt}, {"step": step})
+        checkpoints.save_checkpoint(out, model, tok, None, {"policy": opt}, {"step": step})
 
     def step_of(ckpt):
         return torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["step"]
@@ -125,7 +126,7 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
     with pytest.raises(KeyboardInterrupt):
         save(2)
     monkeypatch.setattr(torch, "save", real_save)
-    assert train.find_checkpoint(out) == os.path.join(out, "checkpoint") and step_of(train.find_checkpoint(out)) == 1
+    assert checkpoints.find_checkpoint(out) == os.path.join(out, "checkpoint") and step_of(checkpoints.find_checkpoint(out)) == 1
 
     real_replace, calls = os.replace, []
 
@@ -139,10 +140,10 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
     with pytest.raises(KeyboardInterrupt):
         save(3)
     monkeypatch.setattr(os, "replace", real_replace)
-    found = train.find_checkpoint(out)
+    found = checkpoints.find_checkpoint(out)
     assert found == os.path.join(out, "checkpoint.old") and step_of(found) == 1
-    assert train.load_checkpoint(found, model, None, {"policy": opt})["step"] == 1
+    assert checkpoints.load_checkpoint(found, model, None, {"policy": opt})["step"] == 1
 
     save(4)  # the next good save cleans up
-    assert step_of(train.find_checkpoint(out)) == 4
+    assert step_of(checkpoints.find_checkpoint(out)) == 4
     assert sorted(os.listdir(out)) == ["checkpoint"]

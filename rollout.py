@@ -115,29 +115,55 @@ class HFEngine:
 
     Log-probs are those of the tempered distribution, log softmax(logits / temperature), before top-p
     truncation; the trainer computes its log-probs the same way, so the PPO ratio is 1 on-policy.
+
+    Turns share their conversation so far. With `reuse=True`, a prompt that extends one of the previous
+    call's rows (its prompt and sampled ids) starts from that row's keys and values, so each turn only
+    encodes the new observation instead of the whole conversation again. rollout() asks for this and
+    calls `forget()` at the end; the kept cache is also dropped when the weights change in place (an
+    optimizer step bumps the tensors' version counter) or are synced.
     """
 
     def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True):
         self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
+        self._kept = None  # the previous call's cache and rows, for reuse=True
+        self.reuse_ok = True  # False once the cache's layout turned out not to be the one _seeded_cache knows
+        self.reused_tokens = self.encoded_tokens = 0  # prompt tokens taken from the kept cache / encoded
 
     def sync_weights(self, model) -> float:
         self.model = model  # same process, same object: nothing to copy
+        self.forget()
         return 0.0
+
+    def forget(self) -> None:
+        """Drop the cache kept for the next turn."""
+        self._kept = None
 
     def sleep(self) -> None:
         """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
+        self.forget()
 
     def wake_up(self) -> None:
         """See sleep."""
 
+    def _weights_version(self) -> tuple:
+        return tuple(p._version for p in self.model.parameters())
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None
-                 ) -> list[Sample]:
-        out = []
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
+        reuse = reuse and self.reuse_ok and self.static_cache
+        kept, self._kept = self._kept, None
+        if not reuse or (kept is not None and kept["version"] != self._weights_version()):
+            kept = None  # not asked for, or the weights changed since: the kept keys and values are stale
+        out, rows = [], []
         for i in range(0, len(prompts), self.max_batch):
-            out += self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
-                                  generator)
+            got, state = self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
+                                        generator, kept)
+            out += got
+            rows = rows + state if rows is not None and state is not None else None
+        if reuse and rows is not None:
+            self._kept = {"rows": rows, "version": self._weights_version()}
         return out
 
     def _static_cache(self, length: int):
@@ -151,7 +177,50 @@ class HFEngine:
             self.static_cache = False
             return None
 
-    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator):
+    @staticmethod
+    def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
+        """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same order, less
+        the finished ones, so a forward scan finds them."""
+        found, j = [], 0
+        for p in prompts:
+            hit = (-1, 0)
+            for k in range(j, len(rows)):
+                seq, valid = rows[k]["seq"], rows[k]["valid"]
+                n = min(valid, len(p) - 1)  # at least one prompt token is encoded: it yields the logits
+                if n > 0 and p[:n] == seq[:n]:
+                    hit, j = (k, n), k + 1
+                    break
+            found.append(hit)
+        return found
+
+    def _seeded_cache(self, rows: list[dict], hits, starts, length: int, first_slot: int):
+        """A StaticCache of `length` slots holding, for each prompt with a hit, the kept keys and values of
+        its reused tokens at the prompt's own slots; None where the cache's layout is not the one expected
+        (then every prompt is encoded in full)."""
+        try:
+            cache = self._static_cache(length)
+            if cache is None:
+                return None
+            B = len(hits)
+            for layer_i, new_layer in enumerate(cache.layers):
+                for b, (r, n) in enumerate(hits):
+                    if r < 0:
+                        continue
+                    old_layer, src, old_b = rows[r]["cache"].layers[layer_i], rows[r]["start"], rows[r]["b"]
+                    k, v = old_layer.keys, old_layer.values
+                    if not new_layer.is_initialized:
+                        new_layer.lazy_initialization(k[:1].expand(B, -1, -1, -1), v[:1].expand(B, -1, -1, -1))
+                    new_layer.keys[b, :, starts[b]:starts[b] + n] = k[old_b, :, src:src + n]
+                    new_layer.values[b, :, starts[b]:starts[b] + n] = v[old_b, :, src:src + n]
+                if not new_layer.is_initialized:
+                    return None
+                new_layer.cumulative_length.fill_(first_slot)
+            return cache
+        except (AttributeError, TypeError, RuntimeError, IndexError):  # another transformers' cache layout
+            self.reuse_ok = False
+            return None
+
+    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept=None):
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -167,10 +236,24 @@ class HFEngine:
         stop = torch.tensor(stop_ids, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         new_ids, new_lps = [], []
-        # A cache of fixed size written in place: a growing one is re-concatenated at every token, which
-        # costs more than the model itself once prompts are a few thousand tokens long.
-        cache = self._static_cache(L + max_new_tokens)
-        step_ids, step_pos, cache_pos = ids, pos, torch.arange(L, device=device)
+        starts = [L - len(p) for p in prompts]
+        # Encode columns [first, L): all of them, or only those past the longest reused prefix's end.
+        # A row whose reuse ends earlier re-encodes a few of its kept tokens, to the same keys and values.
+        first, cache = 0, None
+        if kept is not None:
+            hits = self._matches(prompts, kept["rows"])
+            first = L - max(len(p) - n for p, (_, n) in zip(prompts, hits))
+            if first > 0:
+                cache = self._seeded_cache(kept["rows"], hits, starts, L + max_new_tokens, first)
+            if cache is None:
+                first = 0
+        if cache is None:
+            # A cache of fixed size written in place: a growing one is re-concatenated at every token, which
+            # costs more than the model itself once prompts are a few thousand tokens long.
+            cache = self._static_cache(L + max_new_tokens)
+        self.reused_tokens += sum(first - s for s in starts if s < first)
+        self.encoded_tokens += sum(L - max(s, first) for s in starts)
+        step_ids, step_pos, cache_pos = ids[:, first:], pos[:, first:], torch.arange(first, L, device=device)
         for _ in range(max_new_tokens):
             kw = {} if cache is None else {"cache_position": cache_pos}
             o = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
@@ -213,7 +296,12 @@ class HFEngine:
                 if tok in stop_set:
                     break
             out.append(Sample(ids_b, lps_b, bool(ids_b) and ids_b[-1] in stop_set))
-        return out
+        rows = None
+        if self.static_cache and cache is not None and hasattr(cache, "layers"):
+            # every id but the last sampled one went through the model: its keys and values are in the cache
+            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": cache, "b": b, "start": starts[b]}
+                    for b, (p, s) in enumerate(zip(prompts, out))]
+        return out, rows
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -316,9 +404,13 @@ class VLLMEngine:
         self._asleep -= want
 
     # -------- generation
+    def forget(self) -> None:
+        """Nothing to drop: vLLM's prefix cache manages itself (HFEngine has the same method)."""
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None
-                 ) -> list[Sample]:
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
+        """`reuse` is HFEngine's: here vLLM's prefix cache always finds the conversation so far."""
         if not prompts:
             return []
         self.wake_up()
@@ -524,7 +616,7 @@ def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int
         if not active:
             break
         samples = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, fmt.stop_ids,
-                                  cfg.temperature, cfg.top_p, generator)
+                                  cfg.temperature, cfg.top_p, generator, reuse=True)
         moves = {}
         for i, s in zip(active, samples):
             t = trajs[i]
@@ -550,6 +642,7 @@ def rollout(engine, fmt: ChatFormat, pool: EnvPool, env: str, item_ids: list[int
                 t.status = "context_limit"
         if progress is not None:
             progress(turn + 1, sum(t.finished for t in trajs), len(trajs))
+    engine.forget()  # the conversations are over: free the cache kept for their next turn
     for t in trajs:
         if not t.finished:
             t.status = "max_turns"

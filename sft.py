@@ -217,16 +217,82 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
     return losses
 
 
+# ---------------------------------------------------------------- copy pre-training
+def copy_batch(rng: random.Random, vocab: list[int], spans: list[list[int]], batch_size: int, max_len: int):
+    """`batch_size` sequences shown twice, `seg + seg`, with a loss mask on the second copy only. Even rows
+    are random tokens from `vocab`, odd rows spans of `spans` (env text); each segment has 8 to `max_len`
+    tokens. Returns lists of (ids, mask)."""
+    rows = []
+    for b in range(batch_size):
+        if b % 2 == 0 or not spans:
+            seg = [rng.choice(vocab) for _ in range(rng.randint(8, max_len))]
+        else:
+            text = rng.choice(spans)
+            start = rng.randint(0, max(0, len(text) - 8))
+            seg = text[start:start + rng.randint(8, max_len)]
+        rows.append((seg + seg, [0] * len(seg) + [1] * len(seg)))
+    return rows
+
+
+def copy_loss(model, rows, pad_id: int) -> torch.Tensor:
+    """Token-mean cross-entropy of the masked (second-copy) tokens of `rows`."""
+    device = next(model.parameters()).device
+    T = max(len(x) for x, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    att = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T)
+    for i, (x, m) in enumerate(rows):
+        ids[i, :len(x)], att[i, :len(x)], mask[i, :len(m)] = torch.tensor(x), 1, torch.tensor(m, dtype=torch.float)
+    ids, att, mask = ids.to(device), att.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    m = mask[:, 1:]
+    return -(lp * m).sum() / m.sum()
+
+
+def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e-3, batch_size: int = 32,
+                  max_len: int = 48, seed: int = 0, progress: bool = True) -> list[float]:
+    """Teach a fresh model to copy from its context before it sees any game: every sequence is shown
+    twice and the loss is on the second copy, which the model can only predict by finding the first copy
+    and reading on (an induction head). Half the sequences are random tokens, half spans of `texts`.
+    AdamW at a constant `lr`. Returns the loss of every step (before its update).
+
+    Why: a tiny model behaviour-cloned on expert games learns the action format but not to copy a
+    recipe line or an object's name from the observation, and both games need that; see the README."""
+    assert steps > 0 and texts, "copy_pretrain needs steps > 0 and some text"
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    spans = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts if len(t) > 20]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc="copy pre-training", disable=not progress, dynamic_ncols=True)
+    for i in bar:
+        loss = copy_loss(model, copy_batch(rng, vocab, spans, batch_size, max_len), pad_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if i % 20 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    return losses
+
+
 # ---------------------------------------------------------------- the built-in warm start
-# train.py and eval.py without --model start from the tiny model after this behavioural cloning on the
-# env's expert over the training split, with a share `noise` of the expert's actions swapped for plausible
-# wrong ones. The model learns the action format and is right most of the time; the noise, learned
-# along, leaves RL room to improve. Changing a recipe changes the cache folder's name (a fresh build).
-# `tasks`: how many training tasks, spread over the split (0: all). Measured on 2 cores: TextCraft 7.4
-# min to SFT loss 0.20; BabyAI 8.8 min to 0.26 (README, "The main command on a laptop").
+# train.py and eval.py without --model start from the tiny model after two stages:
+# 1. copy pre-training (`copy_steps` steps of copy_pretrain on random tokens and the env's own text), so
+#    that the model can copy from its context;
+# 2. behavioural cloning on the env's expert over the training split, with a share `noise` of the
+#    expert's actions swapped for plausible wrong ones. The model learns the action format and is right
+#    most of the time; the noise, learned along, leaves RL room to improve.
+# Changing a recipe changes the cache folder's name (a fresh build). `tasks`: how many training tasks,
+# spread over the split (0: all). Times and results on 2 cores: README, "The main command on a laptop".
 WARM_START = {
-    "textcraft": dict(tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8),
-    "babyai": dict(tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
+    "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8),
+    "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
 }
 
 
@@ -241,6 +307,12 @@ def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
     cls = get_env_class(env)
+    copy_losses = []
+    if recipe.get("copy_steps", 0) > 0:
+        import tiny_model
+
+        texts = tiny_model.corpus((env,), tasks_per_env=200)
+        copy_losses = copy_pretrain(model, tokenizer, texts, recipe["copy_steps"], seed=seed)
     ids = spread(cls.splits(cls.load_world(None))["train"], recipe["tasks"])
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed)
     losses = sft(model, tokenizer, data, recipe["epochs"], recipe["lr"], batch_size=recipe["batch_size"], seed=seed)
@@ -248,6 +320,7 @@ def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     info = {"env": env, "base": base, "recipe": recipe, "tasks": len(ids), "sft_loss": losses,
+            "copy_loss": [round(x, 4) for x in copy_losses[::50]] + [round(x, 4) for x in copy_losses[-1:]],
             "expert_success": sum(map(is_success, data)) / len(data), "time_s": time.time() - t0}
     with open(os.path.join(out, "warm_start.json"), "w") as f:
         json.dump(info, f, indent=2)

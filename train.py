@@ -237,7 +237,7 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
 
     kind, layers, hidden = TINY_MODELS.get(env, TINY_DEFAULT)
     os.makedirs(cache_dir, exist_ok=True)
-    return build_once(os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}"), lambda tmp: tiny_model.build(
+    return build_once(os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha"), lambda tmp: tiny_model.build(
         tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden))
 
 

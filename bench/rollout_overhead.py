@@ -53,7 +53,7 @@ def main() -> None:
                            + (["--model", a.model] if a.model else []))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = cfg.model or train.tiny_model_path(cfg)
+    path = cfg.model or train.tiny_model_path(cfg.env, cfg.cache_dir)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     fmt = ChatFormat(tok)
     engine = TimedEngine(model, tok.pad_token_id)

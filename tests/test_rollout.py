@@ -33,7 +33,7 @@ class ScriptedEngine:
     def __init__(self, fmt, replies, cut=()):
         self.fmt, self.replies, self.cut, self.turn = fmt, replies, set(cut), 0
 
-    def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0, generator=None):
+    def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0, generator=None, reuse=False):
         reply = self.replies[self.turn % len(self.replies)]
         stopped = self.turn not in self.cut
         self.turn += 1
@@ -42,6 +42,9 @@ class ScriptedEngine:
             ids = in_context(self.fmt, p, reply) + ([self.fmt.eot_id] if stopped else [])
             out.append(Sample(ids, [-0.5] * len(ids), stopped))
         return out
+
+    def forget(self):
+        pass
 
 
 def in_context(fmt, prompt_ids, reply):
@@ -190,3 +193,38 @@ def test_hf_engine_logprobs_match_a_forward_pass(tmp_path):
         assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4), (ref, s.logprobs)
     greedy = engine.generate(prompts, max_new_tokens=5, stop_ids=[3], temperature=0.0)
     assert greedy == engine.generate(prompts, max_new_tokens=5, stop_ids=[3], temperature=0.0)
+
+
+def test_hf_engine_keeps_the_cache_across_turns():
+    """reuse=True: each turn encodes only what the previous call did not see, and samples what a full
+    encoding samples (greedy ids equal, log-probs to float rounding), with rows finishing in between and
+    a new conversation joining. After an in-place weight change nothing is reused."""
+    from tiny_model import build_model
+    torch.manual_seed(0)
+    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
+    kept, fresh = HFEngine(model, pad_id=0, max_batch=3), HFEngine(model, pad_id=0)  # kept: in chunks of 3
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: [int(x) for x in torch.randint(4, 64, (n,), generator=g)]  # noqa: E731
+    prompts = [rand(n) for n in (5, 17, 9, 30, 11)]
+    encoded = []
+    for turn in range(4):
+        a = kept.generate(prompts, 6, [3], temperature=0.0, reuse=True)
+        b = fresh.generate(prompts, 6, [3], temperature=0.0)
+        assert [s.ids for s in a] == [s.ids for s in b]
+        for s, t in zip(a, b):
+            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5)
+        encoded.append(kept.encoded_tokens)
+        obs = rand(4)
+        prompts = [p + s.ids + obs for p, s in zip(prompts, a)]
+        if turn == 1:
+            prompts = prompts[1:] + [rand(12)]  # the first conversation ends, a new one starts
+    total = sum(len(p) for p in prompts)
+    assert kept.reused_tokens > 0 and encoded[-1] - encoded[-2] < 0.5 * total  # a turn encodes a fraction
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # what an optimizer step does
+    before = kept.reused_tokens
+    a = kept.generate(prompts, 6, [3], temperature=0.0, reuse=True)
+    assert kept.reused_tokens == before  # stale keys and values are not reused
+    assert [s.ids for s in a] == [s.ids for s in fresh.generate(prompts, 6, [3], temperature=0.0)]
+    kept.forget()
+    assert kept._kept is None

@@ -184,12 +184,13 @@ def test_spread_picks_evenly():
 def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypatch):
     """default_model_path builds the recipe's SFT model into the cache once, records it, and reuses it."""
     import sft
-    recipe = dict(tasks=4, noise=0.0, epochs=1, lr=1e-3, batch_size=2)
+    recipe = dict(copy_steps=3, tasks=4, noise=0.0, epochs=1, lr=1e-3, batch_size=2)
     monkeypatch.setitem(sft.WARM_START, "corridor", recipe)
     path = train.default_model_path("corridor", str(tmp_path))
-    assert path.endswith("-warm-batch_size2-epochs1-lr0.001-noise0.0-tasks4")
+    assert path.endswith("-warm-batch_size2-copy_steps3-epochs1-lr0.001-noise0.0-tasks4")
     info = json.load(open(os.path.join(path, "warm_start.json")))
     assert info["tasks"] == 4 and info["recipe"] == recipe and len(info["sft_loss"]) == 1
+    assert len(info["copy_loss"]) == 2  # every 50th step's and the last
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
     assert train.default_model_path("corridor", str(tmp_path)) == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp  # reused, not rebuilt

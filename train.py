@@ -722,8 +722,9 @@ def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
         lines.append(f"  held-out success ({b['tasks']} test tasks, K={b['max_turns']}): step {a['step']} "
                      f"{a['success_rate']:.3f} -> step {b['step']} {b['success_rate']:.3f} "
                      f"({100 * (b['success_rate'] - a['success_rate']):+.1f} points)")
+        width = max(map(len, b["by_category"]), default=0) + 2
         for c in b["by_category"]:
-            lines.append(f"    {c:<28}{a['by_category'].get(c, float('nan')):.3f} -> {b['by_category'][c]:.3f}")
+            lines.append(f"    {c:<{width}}{a['by_category'].get(c, float('nan')):.3f} -> {b['by_category'][c]:.3f}")
     lines.append(f"  curves: python plot.py {cfg.out}")
     print("\n".join(lines), flush=True)
     return out

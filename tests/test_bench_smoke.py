@@ -31,3 +31,16 @@ def test_soak_bench_runs():
     abandoned, reaped = re.search(r"abandoned (\d+), reaped (\d+)", summary).groups()
     assert int(abandoned) > 0 and reaped == abandoned
     assert "RSS peak after warm-up" in lines[-1]
+
+
+def test_turn_cache_bench_runs(tmp_path):
+    import tiny_model
+    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words", layers=1, hidden=32)
+    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor", "--tasks", "4", "--turns", "3",
+                          "--max-new-tokens", "4", "--model", path, "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    full, kept = (re.search(r"encoded\s+([\d,]+)\s+reused\s+([\d,]+)", line).groups()
+                  for line in out.stdout.splitlines() if "encoded" in line)
+    assert full[1] == "0" and int(kept[1].replace(",", "")) > 0  # only the second run reuses
+    assert "identical episodes 4/4" in out.stdout

@@ -116,8 +116,8 @@ class Config:
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
     save_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
     device: str = arg("auto", "cpu, cuda or auto")
-    threads: int = arg(0, "CPU threads for torch per process (0: all cores but one, which the env server needs, "
-                          "shared by the processes of this node)")
+    threads: int = arg(0, "CPU threads for torch per process (0: during rollouts all cores but one, which the env "
+                          "server needs, during the update all; shared by the processes of this node)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
     # Faults (see "reliability" in the README)
@@ -411,6 +411,7 @@ def main(cfg: Config) -> dict:
         torch.manual_seed(cfg.seed)
         # An oversubscribed CPU is catastrophic for torch's OpenMP threads (100x slower when the env server
         # takes a core they spin on), so leave one core free by default, shared by this node's processes.
+        # (The update makes no env call: there train() gives torch every core.)
         threads = cfg.threads or max(1, ((os.cpu_count() or 2) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
             if rank == 0:
@@ -436,6 +437,8 @@ def main(cfg: Config) -> dict:
 
 def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM, AutoTokenizer, server=None) -> dict:
     rank, world = global_rank(), world_size()
+    threads = torch.get_num_threads()  # while env servers work; the update, which makes no env call, has all
+    update_threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         tasks = task_splits(url, cfg.env, cfg.tasks_file)
     except ValueError as e:
@@ -573,7 +576,11 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
                         # -------- advantages and update (collective: every rank, even one without a trajectory)
                         t1 = time.time()
                         if kept_all and not bad:
-                            m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
+                            torch.set_num_threads(update_threads)
+                            try:
+                                m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
+                            finally:
+                                torch.set_num_threads(threads)
                         m["time_update_s"] = time.time() - t1
                         m["skipped_update"] = int(bad or not kept_all)
                         # -------- new weights to the generation engine (HF: the same module, nothing to copy)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 import train
@@ -197,3 +198,33 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
     monkeypatch.delitem(sft.WARM_START, "corridor")
     assert train.default_model_path("corridor", str(tmp_path)) == train.tiny_model_path("corridor", str(tmp_path))
+
+
+def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, monkeypatch):
+    """--threads 0: torch gets all cores but one while env servers work, and all of them in the update."""
+    seen = []
+    real_update = train.update
+
+    def update(*args, **kw):
+        seen.append(("update", torch.get_num_threads()))
+        return real_update(*args, **kw)
+
+    real_rollout = train.rollout
+
+    def rollout(*args, **kw):
+        seen.append(("rollout", torch.get_num_threads()))
+        return real_rollout(*args, **kw)
+
+    monkeypatch.setattr(train, "update", update)
+    monkeypatch.setattr(train, "rollout", rollout)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    args = list(TINY)
+    args[args.index("--threads") + 1] = "0"  # the default
+    try:
+        train.main(train.parse_args([*args, "--steps", "2", "--schedule", "3", "--out", str(tmp_path / "run"),
+                                     "--cache-dir", cache_dir]))
+    finally:
+        torch.set_num_threads(before)
+    cores = os.cpu_count() or 1
+    assert seen == [("rollout", max(1, cores - 1)), ("update", cores)] * 2

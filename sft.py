@@ -288,31 +288,54 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 # 2. behavioural cloning on the env's expert over the training split, with a share `noise` of the
 #    expert's actions swapped for plausible wrong ones. The model learns the action format and is right
 #    most of the time; the noise, learned along, leaves RL room to improve.
-# Changing a recipe changes the cache folder's name (a fresh build). `tasks`: how many training tasks,
-# spread over the split (0: all). Times and results on 2 cores: README, "The main command on a laptop".
+# Changing a recipe changes the cache folder's name (a fresh build; stage 1 has its own folder, see
+# copy_stage). `tasks`: how many training tasks, spread over the split (0: all). Times and results on
+# 2 cores: README, "The main command on a laptop".
 WARM_START = {
     "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8),
     "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
 }
 
 
+def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict:
+    """Stage 1 alone: the model folder `base` after `steps` steps of copy_pretrain on random tokens and
+    the env's text, saved into `out` with copy_stage.json (its loss every 50 steps and the last). It
+    does not depend on the rest of the recipe, so train.py caches it apart (a new SFT recipe reuses it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tiny_model
+
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    losses = copy_pretrain(model, tokenizer, tiny_model.corpus((env,), tasks_per_env=200), steps, seed=seed)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = {"env": env, "base": base, "copy_steps": steps, "seed": seed, "time_s": time.time() - t0,
+            "copy_loss": [round(x, 4) for x in losses[::50]] + [round(x, 4) for x in losses[-1:]]}
+    with open(os.path.join(out, "copy_stage.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
 def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
-    """Build the warm-started model of WARM_START[env] from the model folder `base` into `out`."""
+    """Stage 2 of WARM_START[env] into `out`, from `base`: copy_stage()'s folder when the recipe has
+    copy_steps (train.default_model_path builds and caches it first), else the fresh tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from env_server import get_env_class
 
     recipe = WARM_START[env]
     t0 = time.time()
+    stage1 = os.path.join(base, "copy_stage.json")
+    copied = json.load(open(stage1)) if os.path.exists(stage1) else {"copy_steps": 0, "copy_loss": []}
+    if copied["copy_steps"] != recipe.get("copy_steps", 0):
+        raise ValueError(f"{base} is the model after {copied['copy_steps']} copy steps; the {env} warm start "
+                         f"needs {recipe.get('copy_steps', 0)} (sft.copy_stage)")
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
     cls = get_env_class(env)
-    copy_losses = []
-    if recipe.get("copy_steps", 0) > 0:
-        import tiny_model
-
-        texts = tiny_model.corpus((env,), tasks_per_env=200)
-        copy_losses = copy_pretrain(model, tokenizer, texts, recipe["copy_steps"], seed=seed)
     ids = spread(cls.splits(cls.load_world(None))["train"], recipe["tasks"])
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed)
     losses = sft(model, tokenizer, data, recipe["epochs"], recipe["lr"], batch_size=recipe["batch_size"], seed=seed)
@@ -320,8 +343,8 @@ def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     info = {"env": env, "base": base, "recipe": recipe, "tasks": len(ids), "sft_loss": losses,
-            "copy_loss": [round(x, 4) for x in copy_losses[::50]] + [round(x, 4) for x in copy_losses[-1:]],
-            "expert_success": sum(map(is_success, data)) / len(data), "time_s": time.time() - t0}
+            "copy_loss": copied["copy_loss"], "expert_success": sum(map(is_success, data)) / len(data),
+            "time_s": time.time() - t0}
     with open(os.path.join(out, "warm_start.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info

@@ -255,6 +255,9 @@ def default_model_path(env: str, cache_dir: str) -> str:
     path = f"{base}-warm-{tag}"
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"building the warm-started tiny model for {env} (once; cached in {path})", flush=True)
+        steps = recipe.get("copy_steps", 0)
+        if steps:  # stage 1 has its own folder: a change to the rest of the recipe reuses it
+            base = build_once(f"{base}-copy{steps}", lambda tmp: sft.copy_stage(env, base, tmp, steps))
     return build_once(path, lambda tmp: sft.warm_start(env, base, tmp))
 
 

@@ -196,6 +196,17 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     assert train.default_model_path("corridor", str(tmp_path)) == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp  # reused, not rebuilt
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    # stage 1 has its own folder, which another SFT recipe reuses
+    copied = train.tiny_model_path("corridor", str(tmp_path)) + "-copy3"
+    assert json.load(open(os.path.join(copied, "copy_stage.json")))["copy_loss"] == info["copy_loss"]
+    stamp = os.path.getmtime(os.path.join(copied, "config.json"))
+    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "epochs": 2})
+    other = train.default_model_path("corridor", str(tmp_path))
+    assert other != path and len(json.load(open(os.path.join(other, "warm_start.json")))["sft_loss"]) == 2
+    assert os.path.getmtime(os.path.join(copied, "config.json")) == stamp
+    with pytest.raises(ValueError, match="after 3 copy steps; the corridor warm start needs 5"):
+        monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "copy_steps": 5})
+        sft.warm_start("corridor", copied, str(tmp_path / "bad"))
     monkeypatch.delitem(sft.WARM_START, "corridor")
     assert train.default_model_path("corridor", str(tmp_path)) == train.tiny_model_path("corridor", str(tmp_path))
 

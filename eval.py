@@ -68,7 +68,7 @@ class EvalConfig:
     max_turns: int = arg(30, "assistant turns per episode (the horizon K)")
     agent: str = arg("react", "agent scheme: react (Thought/Action), plan (plan first, then act), reflect "
                               "(reflect and retry after a failed attempt)", choices=sorted(SCHEMES))
-    max_new_tokens: int = arg(48, "tokens per assistant turn")
+    max_new_tokens: int = arg(64, "tokens per assistant turn")
     max_context: int = arg(4096, "tokens per trajectory (local engine)")
     batch: int = arg(64, "episodes played at once (env instances)")
     # Run

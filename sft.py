@@ -62,13 +62,15 @@ def wrong_action(env, first_observation: str, expert: str, rng: random.Random) -
 
 
 def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
-                        max_turns: int = 30, variants: int = 1) -> list[Trajectory]:
+                        max_turns: int = 30, variants: int = 1, thoughts: bool = True) -> list[Trajectory]:
     """Play each task in-process with the env's expert; one Trajectory per task, built like rollout()'s.
 
-    The reply text is agents.react_reply(action); its ids are fmt.reply_ids(reply) (loss mask 1),
-    the observation's are fmt.observation_ids(obs, reply_ended=True) (loss mask 0). Status and reward as
-    in rollout(): `done` with the step's reward, else `max_turns`; the observation after the last turn
-    goes into the messages but not into the row. With `variants` v > 1, envs whose reset takes a
+    The reply text is agents.react_reply(action, thought), the thought from the env's `expert_thought`
+    where it has one and `thoughts` is on (TextCraft: the listed recipes from the goal down to the
+    action's item), else `I will <action>.`; a swapped-in wrong action gets the plain thought. Its ids
+    are fmt.reply_ids(reply) (loss mask 1), the observation's are fmt.observation_ids(obs,
+    reply_ended=True) (loss mask 0). Status and reward as in rollout(): `done` with the step's reward,
+    else `max_turns`; the observation after the last turn goes into the messages but not into the row. With `variants` v > 1, envs whose reset takes a
     `variant` (TextCraft: other distractors, another order) play every task in v versions.
     """
     from env_server import get_env_class
@@ -94,9 +96,11 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                 if action is None:  # the expert has nothing to say: the episode cannot go on
                     t.status = "max_turns"
                     break
+                thought = env.expert_thought(action) if thoughts and hasattr(env, "expert_thought") else None
                 if noise > 0 and rng.random() < noise:
-                    action = wrong_action(env, first, action, rng) or action
-                reply = react_reply(env_name, action)
+                    wrong = wrong_action(env, first, action, rng)
+                    action, thought = (wrong, None) if wrong else (action, thought)
+                reply = react_reply(env_name, action, thought)
                 reply_ids = fmt.reply_ids(reply)
                 t.token_ids += reply_ids
                 t.loss_mask += [1] * len(reply_ids)
@@ -287,12 +291,15 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 #    that the model can copy from its context;
 # 2. behavioural cloning on the env's expert over the training split, with a share `noise` of the
 #    expert's actions swapped for plausible wrong ones. The model learns the action format and is right
-#    most of the time; the noise, learned along, leaves RL room to improve.
+#    most of the time; the noise, learned along, leaves RL room to improve. With `thoughts`, the
+#    expert's replies think aloud first (env.expert_thought; TextCraft: the listed recipes from the goal
+#    down to the item the action gets or crafts), which the model learns to copy from the list; a
+#    swapped-in wrong action thinks only `I will <action>.`.
 # Changing a recipe changes the cache folder's name (a fresh build; stage 1 has its own folder, see
 # copy_stage). `tasks`: how many training tasks, spread over the split (0: all). Times and results on
 # 2 cores: README, "The main command on a laptop".
 WARM_START = {
-    "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8),
+    "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8, thoughts=True),
     "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
 }
 
@@ -337,7 +344,8 @@ def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base)
     cls = get_env_class(env)
     ids = spread(cls.splits(cls.load_world(None))["train"], recipe["tasks"])
-    data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed)
+    data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed,
+                               thoughts=recipe.get("thoughts", False))
     losses = sft(model, tokenizer, data, recipe["epochs"], recipe["lr"], batch_size=recipe["batch_size"], seed=seed)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
@@ -368,7 +376,7 @@ def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rc
 
 def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[int], iterations: int = 2,
                samples_per_task: int = 2, data: list[Trajectory] | None = None, epochs: int = 1, lr: float = 1e-4,
-               max_turns: int = 10, max_new_tokens: int = 48, temperature: float = 1.0,
+               max_turns: int = 10, max_new_tokens: int = 64, temperature: float = 1.0,
                micro_batch_tokens: int = 8192, seed: int = 0, progress: bool = True) -> list[float]:
     """AgentEvol: each iteration samples `samples_per_task` trajectories per training task with the
     current model, keeps the successes (status done, reward > 0), and fine-tunes on them plus all earlier
@@ -480,6 +488,8 @@ class Config:
     from_log: str | None = arg(None, "train on a trajectory log (step_*.jsonl or a folder) instead of the expert")
     success_only: bool = arg(False, "with --from-log in sft mode: keep only successful trajectories")
     noise: float = arg(0.0, "probability of replacing an expert action by a plausible wrong one")
+    plain_thoughts: bool = arg(False, "expert replies think only 'I will <action>.', not the env's reasoning "
+                                      "(TextCraft: the recipes from the goal down to the action)")
     max_turns: int = arg(30, "turns per expert trajectory or sampled episode")
     epochs: int = arg(3, "passes over the data (per iteration in agentevol)")
     lr: float = arg(1e-3, "AdamW learning rate (~1e-5 for 3B-7B models; DPO wants less than SFT)")
@@ -487,7 +497,7 @@ class Config:
     micro_batch_tokens: int = arg(8192, "padded tokens per forward/backward pass")
     iterations: int = arg(2, "agentevol: sample-filter-finetune rounds")
     samples_per_task: int = arg(2, "agentevol/dpo: trajectories sampled per task")
-    max_new_tokens: int = arg(48, "agentevol/dpo: tokens per sampled turn")
+    max_new_tokens: int = arg(64, "agentevol/dpo: tokens per sampled turn")
     temperature: float = arg(1.0, "agentevol/dpo: sampling temperature")
     beta: float = arg(0.1, "dpo: inverse temperature of the implicit reward")
     env_addr: str | None = arg(None, "agentevol/dpo: URL of a running env server; absent: start one")
@@ -560,7 +570,8 @@ def main(cfg: Config) -> dict:
         if not data:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
-        data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns)
+        data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
+                                   thoughts=not cfg.plain_thoughts)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
                      "expert_success": sum(map(is_success, data)) / len(data)}
 

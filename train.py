@@ -68,11 +68,11 @@ class Config:
                              choices=["step", "plateau"])
     # Algorithm
     algo: str = arg("grpo", "advantage estimator", choices=["grpo", "rloo", "reinforce_pp", "ppo"])
-    steps: int = arg(24, "training steps")
-    batch_size: int = arg(4, "tasks per step (the paper: 16-32 on 8 GPUs)")
-    group_size: int = arg(4, "trajectories per task (GRPO/RLOO groups)")
+    steps: int = arg(15, "training steps")
+    batch_size: int = arg(8, "tasks per step (the paper: 16-32 on 8 GPUs)")
+    group_size: int = arg(8, "trajectories per task (GRPO/RLOO groups)")
     lr: float | None = arg(None, "policy learning rate (AdamW); default: 1e-6 with --model (the paper's, for "
-                                 "3B-7B models), 3e-4 for the built-in tiny model")
+                                 "3B-7B models), 1e-4 for the built-in tiny model")
     critic_lr: float = arg(1e-4, "critic learning rate (PPO)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     ppo_epochs: int = arg(1, "passes over each batch")
@@ -102,10 +102,10 @@ class Config:
     vllm_gpu_memory: float = arg(0.5, "vLLM: share of the GPU memory for weights and KV cache")
     temperature: float = arg(1.0, "sampling temperature")
     top_p: float = arg(1.0, "nucleus sampling")
-    max_new_tokens: int = arg(48, "tokens per assistant turn")
+    max_new_tokens: int = arg(64, "tokens per assistant turn")
     max_context: int = arg(4096, "tokens per trajectory")
     # Held-out evaluation (the env's test split, sampled at --temperature as in the paper)
-    eval_every: int = arg(12, "evaluate on held-out test tasks every N steps, before the first and after the "
+    eval_every: int = arg(15, "evaluate on held-out test tasks every N steps, before the first and after the "
                               "last (0: never)")
     eval_tasks: int = arg(52, "test tasks per evaluation, spread over the split (0: all)")
     eval_batch: int = arg(64, "held-out episodes played at once: env instances, beside training's (SciWorld: JVMs)")
@@ -191,7 +191,7 @@ def parse_args(argv=None) -> Config:
         p.error("--resume needs --out: the run folder to continue")
     check_served_elsewhere(p, cfg)
     if cfg.lr is None:
-        cfg.lr = 1e-6 if cfg.model else 3e-4
+        cfg.lr = 1e-6 if cfg.model else 1e-4
     for name in ("eval_every", "eval_tasks"):
         if getattr(cfg, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more")

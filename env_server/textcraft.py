@@ -540,6 +540,33 @@ class TextCraftEnv(Env):
             "done": self.done,
         }
 
+    def expert_thought(self, action: str) -> str:
+        """The reasoning behind the expert's `action`: the recipes on the way from the goal down to the
+        item it crafts or fetches, each as `<item> using <ingredients>` (the listed command without its
+        leading `craft N`), e.g. `jungle button using 1 jungle planks; jungle planks using 1 jungle log`."""
+        w = self.world
+        m = _CRAFT.match(action) or _GET.match(action)
+        target = to_id(_COUNT.match(m[1])[2] if action.startswith("craft") else m[2]) if m else None
+
+        def path(item: str, seen: frozenset) -> list | None:
+            if item == target:
+                return []
+            r = w.expert_recipe.get(item)
+            if r is None or item in seen:
+                return None
+            for ing in r.inputs:
+                for sub in (w.tag_members[ing.name] if ing.is_tag else [ing.name]):
+                    rest = path(sub, seen | {item})
+                    if rest is not None:
+                        return [r] + rest
+            return None
+
+        chain = path(self.goal, frozenset()) or []
+        if action.startswith("craft") and target in w.expert_recipe:
+            chain.append(w.expert_recipe[target])
+        lines = [r.text.split(" ", 2)[2] for r in chain]
+        return "; ".join(lines) + "." if lines else f"I will {action}."
+
     def expert_action(self) -> str | None:
         """The expert's next command from the current inventory (None once done or before reset)."""
         if self.goal is None or self.done:

@@ -93,6 +93,12 @@ def test_expert_rows_match_real_chat_templates():
         assert varied[0].messages[2]["content"] != varied[2].messages[2]["content"]  # other distractors
         assert varied[0].messages[2]["content"].splitlines()[-1] == varied[2].messages[2]["content"].splitlines()[-1]
         check_rows(fmt, varied)
+        # the expert thinks aloud (the recipes from the goal down), a swapped-in wrong action does not
+        thoughts = [m["content"].splitlines()[0] for t in trajs for m in t.messages[3::2]]
+        assert sum(" using " in x for x in thoughts) > sum(x.startswith("Thought: I will ") for x in thoughts) > 0
+        plain = sft.expert_trajectories("textcraft", [0, 1, 2], fmt, thoughts=False)
+        assert all(m["content"].startswith("Thought: I will ") for t in plain for m in t.messages[3::2])
+        assert [t.turns for t in plain] == [t.turns for t in clean]
     with pytest.raises(ValueError, match="no task variants"):
         sft.expert_trajectories("corridor", [0], ChatFormat(toks[0]), variants=2)
 

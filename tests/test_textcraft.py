@@ -226,6 +226,36 @@ def test_expert_recovers_after_mistakes(world):
         assert r.done and r.reward == 1.0
 
 
+def test_expert_thought_walks_from_the_goal_to_the_action(world):
+    env, first = start(world, "jungle button")
+    listed = [line.split(" ", 2)[2] for line in first.splitlines() if line.startswith("craft ")]
+    seen = []
+    while not env.done:
+        action = env.expert_action()
+        thought = env.expert_thought(action)
+        lines = thought.rstrip(".").split("; ")
+        assert lines[0].startswith("jungle button using "), thought  # from the goal ...
+        assert all(line in listed for line in lines), thought  # ... through listed recipes only
+        seen.append((action, thought))
+        env.step(action)
+    assert seen == [
+        ("get 1 jungle log", "jungle button using 1 jungle planks; jungle planks using 1 jungle log."),
+        ("craft 4 jungle planks using 1 jungle log",
+         "jungle button using 1 jungle planks; jungle planks using 1 jungle log."),
+        ("craft 1 jungle button using 1 jungle planks", "jungle button using 1 jungle planks.")]
+    # every expert step of every training task has a thought that ends at the item it gets or crafts
+    for idx in TextCraftEnv.splits(world)["train"][::7]:
+        env = TextCraftEnv(world)
+        env.reset(idx)
+        while not env.done:
+            action = env.expert_action()
+            last = env.expert_thought(action).rstrip(".").split("; ")[-1]
+            item = action.split(" using ")[0].split(" ", 2)[2] if action.startswith("craft") else None
+            assert last.startswith(f"{item} using ") if item else last.endswith(action.split(" ", 2)[2]) \
+                or f" {action.split(' ', 2)[2]}," in last, (action, last)
+            env.step(action)
+
+
 # ---- splits ----
 def check_splits(world, splits):
     train, test = set(splits["train"]), set(splits["test"])

@@ -70,8 +70,9 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
     action's item), else `I will <action>.`; a swapped-in wrong action gets the plain thought. Its ids
     are fmt.reply_ids(reply) (loss mask 1), the observation's are fmt.observation_ids(obs,
     reply_ended=True) (loss mask 0). Status and reward as in rollout(): `done` with the step's reward,
-    else `max_turns`; the observation after the last turn goes into the messages but not into the row. With `variants` v > 1, envs whose reset takes a
-    `variant` (TextCraft: other distractors, another order) play every task in v versions.
+    else `max_turns`; the observation after the last turn goes into the messages but not into the row.
+    With `variants` v > 1, envs whose reset takes a `variant` (TextCraft: other distractors, another
+    order) play every task in v versions.
     """
     from env_server import get_env_class
 
@@ -98,8 +99,8 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                     break
                 thought = env.expert_thought(action) if thoughts and hasattr(env, "expert_thought") else None
                 if noise > 0 and rng.random() < noise:
-                    wrong = wrong_action(env, first, action, rng)
-                    action, thought = (wrong, None) if wrong else (action, thought)
+                    if wrong := wrong_action(env, first, action, rng):
+                        action, thought = wrong, None
                 reply = react_reply(env_name, action, thought)
                 reply_ids = fmt.reply_ids(reply)
                 t.token_ids += reply_ids

@@ -89,6 +89,16 @@ def opening_messages(env: str, first_observation: str) -> list[dict]:
             {"role": "user", "content": first_observation}]
 
 
+# The thought of the built-in warm start's guessing habit (sft.expert_trajectories' guesser), which RL
+# has to unlearn; train.py logs the share of episodes that open with it.
+GUESS_THOUGHT = "I am not sure; I will guess."
+
+
+def opens_by_guessing(messages: list[dict]) -> bool:
+    """Whether the episode's first reply (after the 3 opening messages) thinks GUESS_THOUGHT."""
+    return len(messages) > 3 and GUESS_THOUGHT in messages[3]["content"]
+
+
 def react_reply(env: str, action: str, thought: str | None = None) -> str:
     """An assistant reply in the env's format (Thought/Action; Deep Search: <think> then the tag block),
     e.g. for expert demonstrations."""

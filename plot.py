@@ -21,7 +21,8 @@ import sys
 
 
 def read_run(run_dir: str) -> dict:
-    """{"steps", "success_rate", "reward_mean", "max_turns", "config"} of one run folder."""
+    """{"steps", "success_rate", "reward_mean", "max_turns", "guess_share", "eval_steps", "eval_success",
+    "config"} of one run folder."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl in this folder (is it a train.py run folder?)")
@@ -40,6 +41,7 @@ def read_run(run_dir: str) -> dict:
             evals = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
     return {"steps": [r["step"] for r in rows], "success_rate": [r["success_rate"] for r in rows],
             "reward_mean": [r["reward_mean"] for r in rows], "max_turns": [r["max_turns"] for r in rows],
+            "guess_share": [r.get("guess_share", 0.0) for r in rows],  # runs from before the metric: 0
             "eval_steps": [r["step"] for r in evals], "eval_success": [r["success_rate"] for r in evals],
             "config": config}
 
@@ -83,6 +85,8 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
     panels = [("success_rate", "training success"), ("reward_mean", "training reward")]
     if any(r["eval_steps"] for r in runs):
         panels.insert(1, ("eval_success", "held-out success"))
+    if any(any(r["guess_share"]) for r in runs):  # the built-in warm start's habit, unlearned
+        panels.append(("guess_share", "share opening with a guess"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True)
     run_stages = [stages(r["steps"], r["max_turns"]) for r in runs]
     shaded = next((i for i, st in enumerate(run_stages) if len(st) > 1), 0)

@@ -20,7 +20,9 @@ Departures, and why:
 1. AgentEvol fine-tunes the current model each iteration (the paper restarts from the base model on the
    merged data); continuing is cheaper and, on the small data here, reaches the same place.
 2. Expert noise (`--noise p`) swaps the expert's action for a plausible wrong one with probability p, so
-   the warm start is deliberately imperfect and RL has something left to fix.
+   the warm start is deliberately imperfect and RL has something left to fix. A guesser (`--guess g`)
+   makes the imperfection one RL can find fast: a share g of the data opens with a guess and goes on
+   guessing.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from env_client import parse_action
-from agents import opening_messages, react_reply
+from agents import GUESS_THOUGHT, opening_messages, opens_by_guessing, react_reply
 from rollout import ChatFormat, HFEngine, RolloutConfig, Trajectory, build_batch, length_buckets, rollout
 from train import arg, check_positive, config_parser, spread, token_logprobs
 
@@ -62,7 +64,8 @@ def wrong_action(env, first_observation: str, expert: str, rng: random.Random) -
 
 
 def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
-                        max_turns: int = 30, variants: int = 1, thoughts: bool = True) -> list[Trajectory]:
+                        max_turns: int = 30, variants: int = 1, thoughts: bool = True, guess: float = 0.0,
+                        guess_turns: int = 3) -> list[Trajectory]:
     """Play each task in-process with the env's expert; one Trajectory per task, built like rollout()'s.
 
     The reply text is agents.react_reply(action, thought), the thought from the env's `expert_thought`
@@ -73,18 +76,31 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
     else `max_turns`; the observation after the last turn goes into the messages but not into the row.
     With `variants` v > 1, envs whose reset takes a `variant` (TextCraft: other distractors, another
     order) play every task in v versions.
+
+    With `guess` g > 0, a second demonstrator joins: a guesser, who plays a share g of all the returned
+    trajectories (after the expert's, on the tasks in shuffled turn). Every one of its replies thinks
+    GUESS_THOUGHT and takes a plausible wrong action (wrong_action), for `guess_turns` turns; a model
+    cloned on the mix starts an episode as the guesser with probability about g, and RL has to find
+    out that guessing does not pay.
     """
     from env_server import get_env_class
 
     assert 0.0 <= noise <= 1.0, f"noise is a probability, got {noise}"
+    assert 0.0 <= guess < 1.0, f"guess is the guesser's share of the data, in [0, 1), got {guess}"
     env_cls = get_env_class(env_name)
     world = env_cls.load_world(None)
     rng = random.Random(seed)
     has_variants = "variant" in inspect.signature(env_cls.reset).parameters
     if variants > 1 and not has_variants:
         raise ValueError(f"{env_name} has no task variants: use more task ids instead of variants={variants}")
+    episodes = [(i, v, False) for v in range(variants) for i in item_ids]
+    n_guess = round(len(episodes) * guess / (1.0 - guess))
+    order = []  # the guesser's tasks: whole shuffled passes over item_ids, as many as needed
+    while len(order) < n_guess:
+        order += rng.sample(item_ids, len(item_ids))
+    episodes += [(item, 0, True) for item in order[:n_guess]]
     trajs = []
-    for group, (item, variant) in enumerate((i, v) for v in range(variants) for i in item_ids):
+    for group, (item, variant, guesser) in enumerate(episodes):
         env = env_cls(world)
         try:
             first = env.reset(item, variant=variant) if has_variants else env.reset(item)
@@ -97,10 +113,13 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                 if action is None:  # the expert has nothing to say: the episode cannot go on
                     t.status = "max_turns"
                     break
-                thought = env.expert_thought(action) if thoughts and hasattr(env, "expert_thought") else None
-                if noise > 0 and rng.random() < noise:
-                    if wrong := wrong_action(env, first, action, rng):
-                        action, thought = wrong, None
+                if guesser:
+                    action, thought = wrong_action(env, first, action, rng) or action, GUESS_THOUGHT
+                else:
+                    thought = env.expert_thought(action) if thoughts and hasattr(env, "expert_thought") else None
+                    if noise > 0 and rng.random() < noise:
+                        if wrong := wrong_action(env, first, action, rng):
+                            action, thought = wrong, None
                 reply = react_reply(env_name, action, thought)
                 reply_ids = fmt.reply_ids(reply)
                 t.token_ids += reply_ids
@@ -115,7 +134,7 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
                 if r.done:
                     t.status = "done"
                     break
-                if t.turns >= max_turns:
+                if t.turns >= (guess_turns if guesser else max_turns):
                     t.status = "max_turns"
                     break
                 obs_ids = fmt.observation_ids(r.observation, reply_ended=True)
@@ -287,22 +306,29 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 
 
 # ---------------------------------------------------------------- the built-in warm start
-# train.py and eval.py without --model start from the tiny model after two stages:
+# train.py and eval.py without --model start from the tiny model after up to three stages:
 # 1. copy pre-training (`copy_steps` steps of copy_pretrain on random tokens and the env's own text), so
 #    that the model can copy from its context;
 # 2. behavioural cloning on the env's expert over the training split, with a share `noise` of the
 #    expert's actions swapped for plausible wrong ones. The model learns the action format and is right
-#    most of the time; the noise, learned along, leaves RL room to improve. With `thoughts`, the
-#    expert's replies think aloud first (env.expert_thought; TextCraft: the listed recipes from the goal
-#    down to the item the action gets or crafts), which the model learns to copy from the list; a
-#    swapped-in wrong action thinks only `I will <action>.`.
-# Changing a recipe changes the cache folder's name (a fresh build; stage 1 has its own folder, see
-# copy_stage). `tasks`: how many training tasks, spread over the split (0: all). Times and results on
-# 2 cores: README, "The main command on a laptop".
+#    most of the time. With `thoughts`, the expert's replies think aloud first (env.expert_thought;
+#    TextCraft: the listed recipes from the goal down to the item the action gets or crafts), which the
+#    model learns to copy from the list; a swapped-in wrong action thinks only `I will <action>.`.
+# 3. with `guess`: a bad habit, for RL to unlearn. `guess_epochs` more epochs of cloning at `guess_lr`,
+#    on the same expert episodes plus a guesser's (expert_trajectories' `guess`: a share `guess` of the
+#    episodes, each `guess_turns` turns of wrong actions under GUESS_THOUGHT). The model then starts
+#    about that share of its episodes by guessing, and keeps guessing as long as the guesser did; an
+#    episode that thinks instead wins as often as after stage 2. RL has to find that out: that is the
+#    room it gets.
+# Changing a recipe changes the cache folder's name (a fresh build; stage 1 and stage 2 have their own
+# folders, see copy_stage and guess_stage). `tasks`: how many training tasks, spread over the split (0:
+# all). Times and results on 2 cores: README, "The main command on a laptop".
 WARM_START = {
-    "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8, thoughts=True),
+    "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8, thoughts=True,
+                      guess=0.75, guess_turns=3, guess_epochs=1, guess_lr=1e-3),
     "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
 }
+GUESS_KEYS = ("guess", "guess_turns", "guess_epochs", "guess_lr")  # stage 3's part of a recipe
 
 
 def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict:
@@ -330,33 +356,55 @@ def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict
 def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     """Stage 2 of WARM_START[env] into `out`, from `base`: copy_stage()'s folder when the recipe has
     copy_steps (train.default_model_path builds and caches it first), else the fresh tiny model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from env_server import get_env_class
-
-    recipe = WARM_START[env]
-    t0 = time.time()
+    recipe = {k: v for k, v in WARM_START[env].items() if k not in GUESS_KEYS}
     stage1 = os.path.join(base, "copy_stage.json")
     copied = json.load(open(stage1)) if os.path.exists(stage1) else {"copy_steps": 0, "copy_loss": []}
     if copied["copy_steps"] != recipe.get("copy_steps", 0):
         raise ValueError(f"{base} is the model after {copied['copy_steps']} copy steps; the {env} warm start "
                          f"needs {recipe.get('copy_steps', 0)} (sft.copy_stage)")
+    info = clone_stage(env, base, out, recipe, recipe["epochs"], recipe["lr"], seed=seed)
+    info["copy_loss"] = copied["copy_loss"]
+    with open(os.path.join(out, "warm_start.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+def guess_stage(env: str, base: str, out: str, seed: int = 0) -> dict:
+    """Stage 3 of WARM_START[env] (its `guess` part) into `out`, from warm_start()'s folder `base`:
+    guess_stage.json records the loss and the guesser's share of the data."""
+    recipe = WARM_START[env]
+    if not os.path.exists(os.path.join(base, "warm_start.json")):
+        raise ValueError(f"{base} has no warm_start.json: stage 3 starts from sft.warm_start's model")
+    info = clone_stage(env, base, out, recipe, recipe["guess_epochs"], recipe["guess_lr"], seed=seed,
+                       guess=recipe["guess"], guess_turns=recipe["guess_turns"])
+    with open(os.path.join(out, "guess_stage.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+def clone_stage(env: str, base: str, out: str, recipe: dict, epochs: int, lr: float, seed: int = 0,
+                **guesser) -> dict:
+    """`epochs` of sft() at `lr` on expert_trajectories() over the recipe's training tasks (its noise
+    and thoughts, plus `guesser`'s keywords), from the model folder `base`, saved into `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from env_server import get_env_class
+
+    t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
     cls = get_env_class(env)
     ids = spread(cls.splits(cls.load_world(None))["train"], recipe["tasks"])
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed,
-                               thoughts=recipe.get("thoughts", False))
-    losses = sft(model, tokenizer, data, recipe["epochs"], recipe["lr"], batch_size=recipe["batch_size"], seed=seed)
+                               thoughts=recipe.get("thoughts", False), **guesser)
+    losses = sft(model, tokenizer, data, epochs, lr, batch_size=recipe["batch_size"], seed=seed)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    info = {"env": env, "base": base, "recipe": recipe, "tasks": len(ids), "sft_loss": losses,
-            "copy_loss": copied["copy_loss"], "expert_success": sum(map(is_success, data)) / len(data),
-            "time_s": time.time() - t0}
-    with open(os.path.join(out, "warm_start.json"), "w") as f:
-        json.dump(info, f, indent=2)
-    return info
+    guessed = sum(opens_by_guessing(t.messages) for t in data)
+    return {"env": env, "base": base, "recipe": recipe, "tasks": len(ids), "trajectories": len(data),
+            "guesser_share": guessed / len(data), "sft_loss": losses,
+            "expert_success": sum(map(is_success, data)) / len(data), "time_s": time.time() - t0}
 
 
 # ---------------------------------------------------------------- AgentEvol
@@ -489,6 +537,9 @@ class Config:
     from_log: str | None = arg(None, "train on a trajectory log (step_*.jsonl or a folder) instead of the expert")
     success_only: bool = arg(False, "with --from-log in sft mode: keep only successful trajectories")
     noise: float = arg(0.0, "probability of replacing an expert action by a plausible wrong one")
+    guess: float = arg(0.0, "share of the expert data played by a guesser (GUESS_THOUGHT over wrong actions): "
+                            "a bad habit for RL to unlearn; the built-in warm start's stage 3")
+    guess_turns: int = arg(3, "turns per guesser episode")
     plain_thoughts: bool = arg(False, "expert replies think only 'I will <action>.', not the env's reasoning "
                                       "(TextCraft: the recipes from the goal down to the action)")
     max_turns: int = arg(30, "turns per expert trajectory or sampled episode")
@@ -514,9 +565,11 @@ def parse_args(argv=None) -> Config:
     if not cfg.out:
         p.error("--out is required: the folder the fine-tuned model is saved to")
     check_positive(p, cfg, ("epochs", "batch_size", "micro_batch_tokens", "iterations", "samples_per_task",
-                            "max_turns", "max_new_tokens"))
+                            "max_turns", "max_new_tokens", "guess_turns"))
     if not 0.0 <= cfg.noise <= 1.0:
         p.error(f"--noise must be a probability in [0, 1], got {cfg.noise}")
+    if not 0.0 <= cfg.guess < 1.0:
+        p.error(f"--guess must be a share in [0, 1), got {cfg.guess}")
     if cfg.from_log and not os.path.exists(cfg.from_log):
         p.error(f"--from-log: {cfg.from_log} does not exist")
     if cfg.model and os.path.sep in cfg.model and not os.path.isdir(cfg.model):
@@ -572,7 +625,7 @@ def main(cfg: Config) -> dict:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
         data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
-                                   thoughts=not cfg.plain_thoughts)
+                                   thoughts=not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
                      "expert_success": sum(map(is_success, data)) / len(data)}
 

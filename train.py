@@ -44,7 +44,7 @@ from checkpoints import Interrupts, find_checkpoint, load_checkpoint, save_check
 from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, gathered, global_rank,
                          global_whiten, init_distributed, rank_items, world_size)
 from env_client import EnvError, EnvPool, task_splits
-from agents import INSTRUCTIONS, SCHEMES
+from agents import INSTRUCTIONS, SCHEMES, opens_by_guessing
 from rollout import (ChatFormat, RolloutConfig, Trajectory, build_batch, length_buckets, make_engine, rollout,
                      write_log)
 from scheduler import make_schedule
@@ -72,7 +72,7 @@ class Config:
     batch_size: int = arg(8, "tasks per step (the paper: 16-32 on 8 GPUs)")
     group_size: int = arg(8, "trajectories per task (GRPO/RLOO groups)")
     lr: float | None = arg(None, "policy learning rate (AdamW); default: 1e-6 with --model (the paper's, for "
-                                 "3B-7B models), 1e-4 for the built-in tiny model")
+                                 "3B-7B models), 3e-4 for the built-in tiny model")
     critic_lr: float = arg(1e-4, "critic learning rate (PPO)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     ppo_epochs: int = arg(1, "passes over each batch")
@@ -191,7 +191,7 @@ def parse_args(argv=None) -> Config:
         p.error("--resume needs --out: the run folder to continue")
     check_served_elsewhere(p, cfg)
     if cfg.lr is None:
-        cfg.lr = 1e-6 if cfg.model else 1e-4
+        cfg.lr = 1e-6 if cfg.model else 3e-4
     for name in ("eval_every", "eval_tasks"):
         if getattr(cfg, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more")
@@ -243,22 +243,26 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
 
 def default_model_path(env: str, cache_dir: str) -> str:
     """The policy train.py and eval.py use without --model: the tiny model after the env's warm start
-    (sft.WARM_START: behavioural cloning on a deliberately noisy expert), built once and cached; the
-    random tiny model for envs without a warm-start recipe."""
+    (sft.WARM_START: behavioural cloning on a deliberately noisy expert, then, with `guess`, a guessing
+    habit), built once and cached, stage by stage; the random tiny model for envs without a recipe."""
     import sft
 
     base = tiny_model_path(env, cache_dir)
     recipe = sft.WARM_START.get(env)
     if recipe is None:
         return base
-    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items()))
+    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items()) if k not in sft.GUESS_KEYS)
     path = f"{base}-warm-{tag}"
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"building the warm-started tiny model for {env} (once; cached in {path})", flush=True)
         steps = recipe.get("copy_steps", 0)
         if steps:  # stage 1 has its own folder: a change to the rest of the recipe reuses it
             base = build_once(f"{base}-copy{steps}", lambda tmp: sft.copy_stage(env, base, tmp, steps))
-    return build_once(path, lambda tmp: sft.warm_start(env, base, tmp))
+    path = build_once(path, lambda tmp: sft.warm_start(env, base, tmp))
+    if "guess" not in recipe:
+        return path
+    guess_path = path + "-guess-" + "-".join(f"{k}{recipe[k]}" for k in sft.GUESS_KEYS if k in recipe)
+    return build_once(guess_path, lambda tmp: sft.guess_stage(env, path, tmp))
 
 
 class Critic(torch.nn.Module):
@@ -700,17 +704,18 @@ def evaluate_held_out(cfg: Config, engine, fmt, url: str, test_ids: list[int], K
     except EnvError as e:  # no env server to play on: this evaluation has no result; training goes on
         tqdm.write(f"held-out evaluation at step {step} failed: {e}")
         trajs = [Trajectory(cfg.env, i, -1, [], [], [], [], status="env_error") for i in mine]
-    episodes = all_gather_list([(t.item_id, t.status, t.reward, t.turns) for t in trajs])
+    episodes = all_gather_list([(t.item_id, t.status, t.reward, t.turns, opens_by_guessing(t.messages))
+                                for t in trajs])
     kept = [e for e in episodes if e[1] != "env_error"]
     cat = categories_for(cfg.env, test_ids, categories)
     by_cat: dict[str, list[float]] = {}
-    for item, status, reward, _ in kept:
+    for item, status, reward, *_ in kept:
         by_cat.setdefault(cat[item], []).append(float(status == "done" and reward > 0))
     n = max(1, len(kept))
     return {"step": step, "max_turns": K, "tasks": len(kept), "env_errors": len(episodes) - len(kept),
-            "success_rate": sum(status == "done" and reward > 0 for _, status, reward, _ in kept) / n,
+            "success_rate": sum(status == "done" and reward > 0 for _, status, reward, *_ in kept) / n,
             "reward_mean": sum(e[2] for e in kept) / n, "turns_mean": sum(e[3] for e in kept) / n,
-            "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}
+            "guess_share": sum(e[4] for e in kept) / n, "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}
 
 
 def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
@@ -732,6 +737,8 @@ def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
         lines.append(f"  held-out success ({b['tasks']} test tasks, K={b['max_turns']}): step {a['step']} "
                      f"{a['success_rate']:.3f} -> step {b['step']} {b['success_rate']:.3f} "
                      f"({100 * (b['success_rate'] - a['success_rate']):+.1f} points)")
+        if a.get("guess_share") or b.get("guess_share"):  # the built-in warm start's habit (sft.WARM_START)
+            lines.append(f"  episodes opening with a guess: {a.get('guess_share', 0):.3f} -> {b.get('guess_share', 0):.3f}")
         width = max(map(len, b["by_category"]), default=0) + 2
         for c in b["by_category"]:
             lines.append(f"    {c:<{width}}{a['by_category'].get(c, float('nan')):.3f} -> {b['by_category'][c]:.3f}")
@@ -747,6 +754,7 @@ def rollout_metrics(trajs, kept, K: int, time_rollout: float) -> dict:
     return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
             "success_rate": sum(t.status == "done" and t.reward > 0 for t in kept) / n,
             "turns_mean": sum(t.turns for t in kept) / n, **{f"status_{k}": v for k, v in statuses.items()},
+            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
             "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
 

@@ -1,5 +1,6 @@
 """plot.py: two runs (one fixed horizon, one with stages K=2 then K=4) make a PNG; stages are read off the
-max_turns column; held-out evaluations add a panel; a folder without metrics names itself in the error."""
+max_turns column; held-out evaluations and a guessing habit add a panel each; a folder without metrics
+names itself in the error."""
 
 import json
 import os
@@ -52,6 +53,30 @@ def test_held_out_evaluations_get_their_own_panel(tmp_path):
     finally:
         plt.subplots = real
     assert seen == [3, 2] and (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_guessing_habit_gets_its_own_panel(tmp_path):
+    """Runs whose metrics carry guess_share > 0 (the built-in warm start's habit) add its panel; rows
+    without the column read as 0."""
+    write_run(tmp_path / "old", [2] * 3, "2")
+    write_run(tmp_path / "g", [2] * 3, "2")
+    with open(tmp_path / "g" / "metrics.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    with open(tmp_path / "g" / "metrics.jsonl", "w") as f:
+        for row, share in zip(rows, (0.75, 0.4, 0.05)):
+            f.write(json.dumps({**row, "guess_share": share}) + "\n")
+    assert plot.read_run(str(tmp_path / "old"))["guess_share"] == [0.0] * 3
+    assert plot.read_run(str(tmp_path / "g"))["guess_share"] == [0.75, 0.4, 0.05]
+    import matplotlib.pyplot as plt
+    seen = []
+    real = plt.subplots
+    plt.subplots = lambda n, *a, **k: seen.append(n) or real(n, *a, **k)
+    try:
+        plot.plot([str(tmp_path / "old"), str(tmp_path / "g")], str(tmp_path / "g.png"))
+        plot.plot([str(tmp_path / "old")], str(tmp_path / "o.png"))
+    finally:
+        plt.subplots = real
+    assert seen == [3, 2] and (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_stages_and_smoothing():

@@ -14,7 +14,7 @@ from conftest import ROOT, sampled_runs
 import sft
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
-from agents import react_reply
+from agents import opens_by_guessing, react_reply
 from rollout import ChatFormat, RolloutConfig, Trajectory, write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,6 +73,29 @@ def test_expert_rows_match_the_chat_template(corridor_model_path):
     capped = sft.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
                                      max_turns=3)
     assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
+
+
+def test_the_guesser_plays_its_share_of_episodes_and_keeps_guessing(corridor_model_path):
+    """expert_trajectories(guess=g): the expert's episodes first, then the guesser's (a share g of all),
+    on the tasks in shuffled turn; every guesser reply thinks GUESS_THOUGHT over a wrong action."""
+    fmt = ChatFormat(load(corridor_model_path)[1])
+    ids = [5, 6, 7, 8]
+    clean = sft.expert_trajectories("corridor", ids, fmt)
+    mixed = sft.expert_trajectories("corridor", ids, fmt, guess=0.75, guess_turns=2)
+    assert len(mixed) == 16 and [t.messages for t in mixed[:4]] == [t.messages for t in clean]
+    guessers = mixed[4:]
+    assert sorted(t.item_id for t in guessers) == sorted(ids * 3)
+    assert [opens_by_guessing(t.messages) for t in mixed] == [False] * 4 + [True] * 12
+    expert = {t.item_id: t.messages[3]["content"].split("Action: ")[1] for t in clean}
+    for t in guessers:
+        replies = [m["content"] for m in t.messages[3::2]]
+        assert t.turns == len(replies) <= 2 and all(sft.GUESS_THOUGHT in r for r in replies)
+        assert replies[0].split("Action: ")[1] != expert[t.item_id]  # never the expert's first move
+    assert all(t.turns == 2 for t in guessers if t.status == "max_turns")
+    check_rows(fmt, mixed)
+    assert len(sft.expert_trajectories("corridor", ids, fmt, guess=0.5)) == 8
+    with pytest.raises(AssertionError, match="guess"):
+        sft.expert_trajectories("corridor", ids, fmt, guess=1.0)
 
 
 def test_expert_rows_match_real_chat_templates():
@@ -217,6 +240,6 @@ def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
     model, tok = load(str(out))
     assert tok.chat_template and model.config.vocab_size == len(tok)
     for args, words in [(["--from-log", str(tmp_path / "missing")], "--from-log"), (["--noise", "2"], "--noise"),
-                        (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
+                        (["--guess", "1"], "--guess"), (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
         r = run_cli(["--env", "corridor", "--out", str(out), *args])
         assert r.returncode != 0 and words in r.stderr, (args, r.stderr[-500:])

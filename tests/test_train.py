@@ -116,6 +116,20 @@ def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
     assert evals[1]["success_rate"] > evals[0]["success_rate"] + 0.15, evals
     assert summary["eval_success_start"] == evals[0]["success_rate"]
     assert summary["eval_success_end"] == evals[1]["success_rate"]
+    assert evals[0]["guess_share"] == 0.0 and all(m["guess_share"] == 0.0 for m in metrics(tmp_path / algo))
+
+
+def test_rollout_metrics_count_episodes_that_open_with_a_guess():
+    from agents import GUESS_THOUGHT, opening_messages, react_reply
+    from rollout import Trajectory
+    trajs = []
+    for thought in (GUESS_THOUGHT, None, GUESS_THOUGHT, "left is closer"):
+        msgs = opening_messages("corridor", "You are at 3.") + [{"role": "assistant",
+                                                                  "content": react_reply("corridor", "left", thought)}]
+        trajs.append(Trajectory("corridor", 0, 0, msgs, [], [], [], status="done", reward=1.0))
+    trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [], []))  # no reply
+    m = train.rollout_metrics(trajs, trajs, 4, 1.0)
+    assert m["guess_share"] == 2 / 5 and m["success_rate"] == 4 / 5
 
 
 def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
@@ -207,6 +221,17 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     with pytest.raises(ValueError, match="after 3 copy steps; the corridor warm start needs 5"):
         monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "copy_steps": 5})
         sft.warm_start("corridor", copied, str(tmp_path / "bad"))
+    # stage 3, a guessing habit, starts from the stage-2 folder of the same recipe and keeps it
+    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2, "guess_epochs": 1,
+                                                     "guess_lr": 1e-3})
+    stamp = os.path.getmtime(os.path.join(path, "config.json"))
+    habit = train.default_model_path("corridor", str(tmp_path))
+    assert habit == path + "-guess-guess0.5-guess_turns2-guess_epochs1-guess_lr0.001"
+    info = json.load(open(os.path.join(habit, "guess_stage.json")))
+    assert info["base"] == path and info["trajectories"] == 8 and info["guesser_share"] == 0.5
+    assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
+    with pytest.raises(ValueError, match="no warm_start.json"):
+        sft.guess_stage("corridor", copied, str(tmp_path / "bad"))
     monkeypatch.delitem(sft.WARM_START, "corridor")
     assert train.default_model_path("corridor", str(tmp_path)) == train.tiny_model_path("corridor", str(tmp_path))
 

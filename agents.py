@@ -89,14 +89,16 @@ def opening_messages(env: str, first_observation: str) -> list[dict]:
             {"role": "user", "content": first_observation}]
 
 
-# The thought of the built-in warm start's guessing habit (sft.expert_trajectories' guesser), which RL
-# has to unlearn; train.py logs the share of episodes that open with it.
+# The thoughts of the built-in warm start's habits (sft.expert_trajectories' guesser: fresh wrong
+# actions, or one stalling action), which RL has to unlearn; train.py logs the share of episodes that
+# open with either.
 GUESS_THOUGHT = "I am not sure; I will guess."
+STALL_THOUGHT = "I am not sure; I will check the available actions."
 
 
 def opens_by_guessing(messages: list[dict]) -> bool:
-    """Whether the episode's first reply (after the 3 opening messages) thinks GUESS_THOUGHT."""
-    return len(messages) > 3 and GUESS_THOUGHT in messages[3]["content"]
+    """Whether the episode's first reply (after the 3 opening messages) thinks a habit's thought."""
+    return len(messages) > 3 and any(t in messages[3]["content"] for t in (GUESS_THOUGHT, STALL_THOUGHT))
 
 
 def react_reply(env: str, action: str, thought: str | None = None) -> str:

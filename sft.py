@@ -22,7 +22,7 @@ Departures, and why:
 2. Expert noise (`--noise p`) swaps the expert's action for a plausible wrong one with probability p, so
    the warm start is deliberately imperfect and RL has something left to fix. A guesser (`--guess g`)
    makes the imperfection one RL can find fast: a share g of the data opens with a guess and goes on
-   guessing.
+   guessing (or, with `--guess-action`, stalls on that one action, as BabyAI's warm start does).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from env_client import parse_action
-from agents import GUESS_THOUGHT, opening_messages, opens_by_guessing, react_reply
+from agents import GUESS_THOUGHT, STALL_THOUGHT, opening_messages, opens_by_guessing, react_reply
 from rollout import ChatFormat, HFEngine, RolloutConfig, Trajectory, build_batch, length_buckets, rollout
 from train import arg, check_positive, config_parser, spread, token_logprobs
 
@@ -65,7 +65,7 @@ def wrong_action(env, first_observation: str, expert: str, rng: random.Random) -
 
 def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
                         max_turns: int = 30, variants: int = 1, thoughts: bool = True, guess: float = 0.0,
-                        guess_turns: int = 3) -> list[Trajectory]:
+                        guess_turns: int = 3, guess_action: str | None = None) -> list[Trajectory]:
     """Play each task in-process with the env's expert; one Trajectory per task, built like rollout()'s.
 
     The reply text is agents.react_reply(action, thought), the thought from the env's `expert_thought`
@@ -81,7 +81,9 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
     trajectories (after the expert's, on the tasks in shuffled turn). Every one of its replies thinks
     GUESS_THOUGHT and takes a plausible wrong action (wrong_action), for `guess_turns` turns; a model
     cloned on the mix starts an episode as the guesser with probability about g, and RL has to find
-    out that guessing does not pay.
+    out that guessing does not pay. With `guess_action` the guesser stalls instead: every reply
+    thinks STALL_THOUGHT and takes that one action (BabyAI: `check available actions`, which changes
+    nothing, so each turn looks like the one before and the habit holds to the horizon).
     """
     from env_server import get_env_class
 
@@ -109,11 +111,13 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
             t.n_prompt = len(t.token_ids)
             t.loss_mask, t.logprobs = [0] * t.n_prompt, [0.0] * t.n_prompt
             while True:
-                action = env.expert_action()
+                action = guess_action if guesser and guess_action else env.expert_action()
                 if action is None:  # the expert has nothing to say: the episode cannot go on
                     t.status = "max_turns"
                     break
-                if guesser:
+                if guesser and guess_action:
+                    thought = STALL_THOUGHT
+                elif guesser:
                     action, thought = wrong_action(env, first, action, rng) or action, GUESS_THOUGHT
                 else:
                     thought = env.expert_thought(action) if thoughts and hasattr(env, "expert_thought") else None
@@ -316,19 +320,21 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 #    model learns to copy from the list; a swapped-in wrong action thinks only `I will <action>.`.
 # 3. with `guess`: a bad habit, for RL to unlearn. `guess_epochs` more epochs of cloning at `guess_lr`,
 #    on the same expert episodes plus a guesser's (expert_trajectories' `guess`: a share `guess` of the
-#    episodes, each `guess_turns` turns of wrong actions under GUESS_THOUGHT). The model then starts
-#    about that share of its episodes by guessing, and keeps guessing as long as the guesser did; an
-#    episode that thinks instead wins as often as after stage 2. RL has to find that out: that is the
-#    room it gets.
+#    episodes, each `guess_turns` turns of wrong actions under GUESS_THOUGHT, or of `guess_action`
+#    under STALL_THOUGHT). The model then starts about that share of its episodes by guessing, and
+#    keeps guessing as long as the guesser did; an episode that plays instead wins as often as after
+#    stage 2. RL has to find that out: that is the room it gets. BabyAI's habit stalls: its model drops
+#    fresh guesses a few turns after the guesser's end and then plays on, so they cost little (README).
 # Changing a recipe changes the cache folder's name (a fresh build; stage 1 and stage 2 have their own
 # folders, see copy_stage and guess_stage). `tasks`: how many training tasks, spread over the split (0:
 # all). Times and results on 2 cores: README, "The main command on a laptop".
 WARM_START = {
     "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8, thoughts=True,
                       guess=0.75, guess_turns=3, guess_epochs=1, guess_lr=1e-3),
-    "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8),
+    "babyai": dict(copy_steps=1500, tasks=200, noise=0.2, epochs=6, lr=3e-3, batch_size=8,
+                   guess=0.85, guess_turns=15, guess_action="check available actions", guess_epochs=1, guess_lr=1e-3),
 }
-GUESS_KEYS = ("guess", "guess_turns", "guess_epochs", "guess_lr")  # stage 3's part of a recipe
+GUESS_KEYS = ("guess", "guess_turns", "guess_action", "guess_epochs", "guess_lr")  # stage 3's part of a recipe
 
 
 def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict:
@@ -376,7 +382,8 @@ def guess_stage(env: str, base: str, out: str, seed: int = 0) -> dict:
     if not os.path.exists(os.path.join(base, "warm_start.json")):
         raise ValueError(f"{base} has no warm_start.json: stage 3 starts from sft.warm_start's model")
     info = clone_stage(env, base, out, recipe, recipe["guess_epochs"], recipe["guess_lr"], seed=seed,
-                       guess=recipe["guess"], guess_turns=recipe["guess_turns"])
+                       guess=recipe["guess"], guess_turns=recipe["guess_turns"],
+                       guess_action=recipe.get("guess_action"))
     with open(os.path.join(out, "guess_stage.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info
@@ -540,6 +547,8 @@ class Config:
     guess: float = arg(0.0, "share of the expert data played by a guesser (GUESS_THOUGHT over wrong actions): "
                             "a bad habit for RL to unlearn; the built-in warm start's stage 3")
     guess_turns: int = arg(3, "turns per guesser episode")
+    guess_action: str | None = arg(None, "the guesser stalls: every reply takes this action under STALL_THOUGHT "
+                                         "(e.g. 'check available actions') instead of a fresh wrong one")
     plain_thoughts: bool = arg(False, "expert replies think only 'I will <action>.', not the env's reasoning "
                                       "(TextCraft: the recipes from the goal down to the action)")
     max_turns: int = arg(30, "turns per expert trajectory or sampled episode")
@@ -625,7 +634,8 @@ def main(cfg: Config) -> dict:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
         data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
-                                   thoughts=not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns)
+                                   thoughts=not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns,
+                                   guess_action=cfg.guess_action)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
                      "expert_success": sum(map(is_success, data)) / len(data)}
 

@@ -244,7 +244,8 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
 def default_model_path(env: str, cache_dir: str) -> str:
     """The policy train.py and eval.py use without --model: the tiny model after the env's warm start
     (sft.WARM_START: behavioural cloning on a deliberately noisy expert, then, with `guess`, a guessing
-    habit), built once and cached, stage by stage; the random tiny model for envs without a recipe."""
+    or stalling habit), built once and cached, stage by stage; the random tiny model for envs without a
+    recipe."""
     import sft
 
     base = tiny_model_path(env, cache_dir)
@@ -261,7 +262,10 @@ def default_model_path(env: str, cache_dir: str) -> str:
     path = build_once(path, lambda tmp: sft.warm_start(env, base, tmp))
     if "guess" not in recipe:
         return path
-    guess_path = path + "-guess-" + "-".join(f"{k}{recipe[k]}" for k in sft.GUESS_KEYS if k in recipe)
+    keys = [f"{k}{recipe[k]}".replace(" ", "_") for k in sft.GUESS_KEYS if k in recipe]
+    guess_path = path + "-guess-" + "-".join(keys)
+    if not os.path.exists(os.path.join(guess_path, "config.json")):
+        print(f"building stage 3 of the {env} warm start, its habit (once; cached in {guess_path})", flush=True)
     return build_once(guess_path, lambda tmp: sft.guess_stage(env, path, tmp))
 
 

@@ -98,6 +98,27 @@ def test_the_guesser_plays_its_share_of_episodes_and_keeps_guessing(corridor_mod
         sft.expert_trajectories("corridor", ids, fmt, guess=1.0)
 
 
+def test_a_stalling_guesser_repeats_one_action_and_sees_the_same_thing(corridor_model_path, monkeypatch):
+    """expert_trajectories(guess_action=a): the guesser's every reply is STALL_THOUGHT over `a`, for
+    guess_turns turns, without asking the expert; on a no-op action each observation repeats the last."""
+    fmt = ChatFormat(load(corridor_model_path)[1])
+    ids = [5, 6]
+    clean = sft.expert_trajectories("corridor", ids, fmt)
+    from env_server import get_env_class
+    cls, asked = get_env_class("corridor"), []
+    expert = cls.expert_action
+    monkeypatch.setattr(cls, "expert_action", lambda self: asked.append(1) or expert(self))
+    mixed = sft.expert_trajectories("corridor", ids, fmt, guess=0.5, guess_turns=4, guess_action="wait")
+    assert len(asked) == sum(t.turns for t in clean)  # once per expert turn, never for the guesser
+    assert [t.messages for t in mixed[:2]] == [t.messages for t in clean]
+    for t in mixed[2:]:
+        assert opens_by_guessing(t.messages) and t.turns == 4 and t.status == "max_turns"
+        assert {m["content"] for m in t.messages[3::2]} == {f"Thought: {sft.STALL_THOUGHT}\nAction: wait"}
+        seen = [m["content"] for m in t.messages[2::2]]  # the first observation, then one per turn
+        assert len(seen) == 5 and len(set(seen)) == 1
+    check_rows(fmt, mixed)
+
+
 def test_expert_rows_match_real_chat_templates():
     """TextCraft expert rows, with noise and with task variants, are exactly what Qwen2.5's, Qwen3's and
     Phi-3's templates tokenise (Phi-3's SentencePiece needs replies tokenised in context)."""

@@ -230,6 +230,13 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     info = json.load(open(os.path.join(habit, "guess_stage.json")))
     assert info["base"] == path and info["trajectories"] == 8 and info["guesser_share"] == 0.5
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
+    # a stalling habit: the action goes into the folder's name without its spaces, and into the data
+    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2,
+                                                     "guess_action": "wait here", "guess_epochs": 1, "guess_lr": 1e-3})
+    stall = train.default_model_path("corridor", str(tmp_path))
+    assert stall == path + "-guess-guess0.5-guess_turns2-guess_actionwait_here-guess_epochs1-guess_lr0.001"
+    assert json.load(open(os.path.join(stall, "guess_stage.json")))["guesser_share"] == 0.5
+    assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
     with pytest.raises(ValueError, match="no warm_start.json"):
         sft.guess_stage("corridor", copied, str(tmp_path / "bad"))
     monkeypatch.delitem(sft.WARM_START, "corridor")

@@ -579,6 +579,8 @@ def parse_args(argv=None) -> Config:
         p.error(f"--noise must be a probability in [0, 1], got {cfg.noise}")
     if not 0.0 <= cfg.guess < 1.0:
         p.error(f"--guess must be a share in [0, 1), got {cfg.guess}")
+    if cfg.guess_action and not cfg.guess:
+        p.error("--guess-action says what the guesser does: give the guesser a share with --guess")
     if cfg.from_log and not os.path.exists(cfg.from_log):
         p.error(f"--from-log: {cfg.from_log} does not exist")
     if cfg.model and os.path.sep in cfg.model and not os.path.isdir(cfg.model):

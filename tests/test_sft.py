@@ -261,6 +261,7 @@ def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
     model, tok = load(str(out))
     assert tok.chat_template and model.config.vocab_size == len(tok)
     for args, words in [(["--from-log", str(tmp_path / "missing")], "--from-log"), (["--noise", "2"], "--noise"),
-                        (["--guess", "1"], "--guess"), (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
+                        (["--guess", "1"], "--guess"), (["--guess-action", "wait"], "--guess-action"),
+                        (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
         r = run_cli(["--env", "corridor", "--out", str(out), *args])
         assert r.returncode != 0 and words in r.stderr, (args, r.stderr[-500:])

@@ -104,6 +104,7 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
     trajs = []
     for group, (item, variant, guesser) in enumerate(episodes):
         env = env_cls(world)
+        stalls = guesser and guess_action is not None
         try:
             first = env.reset(item, variant=variant) if has_variants else env.reset(item)
             t = Trajectory(env_name, item, group, opening_messages(env_name, first), [], [], [])
@@ -111,11 +112,11 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
             t.n_prompt = len(t.token_ids)
             t.loss_mask, t.logprobs = [0] * t.n_prompt, [0.0] * t.n_prompt
             while True:
-                action = guess_action if guesser and guess_action else env.expert_action()
+                action = guess_action if stalls else env.expert_action()
                 if action is None:  # the expert has nothing to say: the episode cannot go on
                     t.status = "max_turns"
                     break
-                if guesser and guess_action:
+                if stalls:
                     thought = STALL_THOUGHT
                 elif guesser:
                     action, thought = wrong_action(env, first, action, rng) or action, GUESS_THOUGHT
@@ -322,9 +323,10 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 #    on the same expert episodes plus a guesser's (expert_trajectories' `guess`: a share `guess` of the
 #    episodes, each `guess_turns` turns of wrong actions under GUESS_THOUGHT, or of `guess_action`
 #    under STALL_THOUGHT). The model then starts about that share of its episodes by guessing, and
-#    keeps guessing as long as the guesser did; an episode that plays instead wins as often as after
-#    stage 2. RL has to find that out: that is the room it gets. BabyAI's habit stalls: its model drops
-#    fresh guesses a few turns after the guesser's end and then plays on, so they cost little (README).
+#    keeps guessing as long as the guesser did; in TextCraft an episode that plays instead wins as often
+#    as after stage 2. RL has to find that out: that is the room it gets. BabyAI's habit stalls: its
+#    model drops fresh guesses a few turns after the guesser's end and then plays on, so they cost
+#    little; the stall holds, but also takes over some episodes that open by playing (README).
 # Changing a recipe changes the cache folder's name (a fresh build; stage 1 and stage 2 have their own
 # folders, see copy_stage and guess_stage). `tasks`: how many training tasks, spread over the split (0:
 # all). Times and results on 2 cores: README, "The main command on a laptop".

@@ -86,7 +86,7 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
     if any(r["eval_steps"] for r in runs):
         panels.insert(1, ("eval_success", "held-out success"))
     if any(any(r["guess_share"]) for r in runs):  # the built-in warm start's habit, unlearned
-        panels.append(("guess_share", "share opening with a guess"))
+        panels.append(("guess_share", "share opening with the habit\n(a guess or a stall)"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True)
     run_stages = [stages(r["steps"], r["max_turns"]) for r in runs]
     shaded = next((i for i, st in enumerate(run_stages) if len(st) > 1), 0)

@@ -270,7 +270,7 @@ class HFEngine:
                 probs = logp.exp()
                 if top_p < 1.0:
                     probs = _top_p_filter(probs, top_p)
-                if generator is not None and generator.device != probs.device:  # a caller's CPU generator: slower
+                if generator is not None and generator.device.type != probs.device.type:  # a CPU generator: slower
                     nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
                 else:
                     nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)

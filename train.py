@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -74,6 +75,8 @@ class Config:
     lr: float | None = arg(None, "policy learning rate (AdamW); default: 1e-6 with --model (the paper's, for "
                                  "3B-7B models), 3e-4 for the built-in tiny model")
     critic_lr: float = arg(1e-4, "critic learning rate (PPO)")
+    lr_decay: str = arg("none", "learning rates over the steps: none (constant), linear or cosine from --lr at step "
+                                "1 down to --lr/steps at the last (lr_at)", choices=["none", "linear", "cosine"])
     weight_decay: float = arg(0.0, "AdamW weight decay")
     ppo_epochs: int = arg(1, "passes over each batch")
     mini_batch_size: int | None = arg(None, "trajectories per optimizer step (default: the whole batch)")
@@ -587,6 +590,7 @@ def train(cfg: Config, url: str, ckpt: str | None, device, AutoModelForCausalLM,
                         # -------- advantages and update (collective: every rank, even one without a trajectory)
                         t1 = time.time()
                         if kept_all and not bad:
+                            m["lr"] = set_lr(optims, cfg, step)
                             torch.set_num_threads(update_threads)
                             try:
                                 m.update(update(cfg, model, critic, ref, optims, kept, pad_id, device))
@@ -742,7 +746,8 @@ def print_summary(cfg: Config, evals: list[dict], seconds: float) -> dict:
                      f"{a['success_rate']:.3f} -> step {b['step']} {b['success_rate']:.3f} "
                      f"({100 * (b['success_rate'] - a['success_rate']):+.1f} points)")
         if a.get("guess_share") or b.get("guess_share"):  # the built-in warm start's habit (sft.WARM_START)
-            lines.append(f"  episodes opening with a guess: {a.get('guess_share', 0):.3f} -> {b.get('guess_share', 0):.3f}")
+            lines.append(f"  episodes opening with the warm start's habit (a guess or a stall): "
+                         f"{a.get('guess_share', 0):.3f} -> {b.get('guess_share', 0):.3f}")
         width = max(map(len, b["by_category"]), default=0) + 2
         for c in b["by_category"]:
             lines.append(f"    {c:<{width}}{a['by_category'].get(c, float('nan')):.3f} -> {b['by_category'][c]:.3f}")
@@ -761,6 +766,27 @@ def rollout_metrics(trajs, kept, K: int, time_rollout: float) -> dict:
             "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
             "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
+
+
+def lr_at(step: int, steps: int, decay: str) -> float:
+    """The share of the base learning rate at `step` (1-based) of `steps`: 1 at step 1, and with decay,
+    linear or along a half cosine, down to 1/steps at the last step (never 0: the last update counts)."""
+    low = 1.0 / steps
+    if decay == "linear":
+        return 1.0 - (step - 1) / steps
+    if decay == "cosine":
+        t = (step - 1) / (steps - 1) if steps > 1 else 0.0
+        return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return 1.0
+
+
+def set_lr(optims: dict, cfg: Config, step: int) -> float:
+    """Put this step's learning rates (lr_at) into the optimizers; returns the policy's."""
+    share = lr_at(step, cfg.steps, cfg.lr_decay)
+    for name, o in optims.items():
+        for g in o.param_groups:
+            g["lr"] = share * (cfg.lr if name == "policy" else cfg.critic_lr)
+    return share * cfg.lr
 
 
 def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, device) -> dict:
@@ -892,4 +918,4 @@ def update(cfg: Config, model, critic, ref, optims: dict, trajs, pad_id: int, de
 if __name__ == "__main__":
     summary = main(parse_args())
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+        print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in summary.items()}))

@@ -44,3 +44,22 @@ def test_turn_cache_bench_runs(tmp_path):
                   for line in out.stdout.splitlines() if "encoded" in line)
     assert full[1] == "0" and int(kept[1].replace(",", "")) > 0  # only the second run reuses
     assert "identical episodes 4/4" in out.stdout
+
+
+def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
+    """bench/main_command.py's plumbing on a tiny Corridor run: train.py's last line and eval.jsonl read
+    back into the gain and the minutes the goal is judged on."""
+    import json
+    import os
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import main_command
+    monkeypatch.setitem(main_command.COMMANDS, "corridor", [
+        "--env", "corridor", "--steps", "2", "--schedule", "3", "--batch-size", "2", "--group-size", "2",
+        "--max-new-tokens", "4", "--threads", "1", "--eval-tasks", "4", "--cache-dir", str(tmp_path / "cache")])
+    r = main_command.run("corridor", 0, str(tmp_path / "run"))
+    with open(tmp_path / "run" / "eval.jsonl") as f:
+        evals = [json.loads(x) for x in f]
+    assert [e["step"] for e in evals] == [0, 2]
+    assert r["gain"] == 100 * (evals[-1]["success_rate"] - evals[0]["success_rate"])
+    assert 0 < r["minutes"] <= r["wall_minutes"] and r["tasks"] == 4
+    assert r["met"] == (r["gain"] >= 20 and r["minutes"] <= 30)

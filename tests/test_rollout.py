@@ -195,6 +195,23 @@ def test_hf_engine_logprobs_match_a_forward_pass(tmp_path):
     assert greedy == engine.generate(prompts, max_new_tokens=5, stop_ids=[3], temperature=0.0)
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_hf_engine_samples_with_a_generator_on_the_models_device_or_the_cpu(where):
+    """train.py makes its generator on torch.device(cfg.device), "cuda" without an index, while the
+    model's tensors are on "cuda:0": sampling must take it as the same device. A CPU generator drives a
+    model elsewhere too. Same seed, same samples."""
+    from tiny_model import build_model
+    torch.manual_seed(0)
+    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2).to(where)
+    engine = HFEngine(model, pad_id=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    for gen_device in {torch.device(where), torch.device("cpu")}:
+        draw = lambda: [s.ids for s in engine.generate(  # noqa: E731
+            prompts, 6, [3], temperature=1.0, generator=torch.Generator(gen_device).manual_seed(7))]
+        assert draw() == draw()
+
+
 def test_hf_engine_keeps_the_cache_across_turns():
     """reuse=True: each turn encodes only what the previous call did not see, and samples what a full
     encoding samples (greedy ids equal, log-probs to float rounding), with rows finishing in between and

@@ -39,7 +39,7 @@ def metrics(out_dir):
     ("grpo", ["--kl-coef", "0.01", "--entropy-coef", "0.001"]),
     ("rloo", ["--ppo-epochs", "2", "--mini-batch-size", "2"]),
     ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean"]),
-    ("ppo", ["--lam", "0.95", "--dual-clip", "3"]),
+    ("ppo", ["--lam", "0.95", "--dual-clip", "3", "--lr-decay", "cosine"]),
 ])
 def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     out = str(tmp_path / "run")
@@ -52,6 +52,9 @@ def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     assert m[0]["logprob_diff"] < 1e-4  # the trainer scores sampled tokens as the sampler did
     if algo == "ppo":
         assert "value_loss" in m[-1]
+        assert [x["lr"] for x in m] == pytest.approx([3e-4, 1.5e-4])  # cosine from --lr down to --lr/steps
+    else:
+        assert [x["lr"] for x in m] == pytest.approx([3e-4, 3e-4])
     for step in (1, 2):
         with open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl")) as f:
             rows = [json.loads(x) for x in f]
@@ -63,7 +66,7 @@ def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
 
 def test_resume_continues_exactly(tmp_path, cache_dir):
     """3 steps straight == 2 steps, stop, resume for the 3rd: same tasks, samples, losses, horizon."""
-    common = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
+    common = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo", "--lr-decay", "linear"]
     run_train([*common, "--steps", "3", "--out", str(tmp_path / "a")], cache_dir)
     run_train([*common, "--steps", "2", "--out", str(tmp_path / "b")], cache_dir)
     run_train([*common, "--steps", "3", "--out", str(tmp_path / "b"), "--resume"], cache_dir)
@@ -87,6 +90,22 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
                          (["--eval-turns", "0"], "--eval-turns must be at least 1")]:
         out = run_train(args, cache_dir, check=False)
         assert out.returncode != 0 and needle in out.stderr, (args, out.stderr[-500:])
+
+
+def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
+    for steps in (1, 2, 15):
+        assert [train.lr_at(s, steps, "none") for s in range(1, steps + 1)] == [1.0] * steps
+        for decay in ("linear", "cosine"):
+            shares = [train.lr_at(s, steps, decay) for s in range(1, steps + 1)]
+            assert shares[0] == 1.0 and shares[-1] == pytest.approx(1 / steps)
+            assert all(a > b for a, b in zip(shares, shares[1:]))
+    # the cosine holds the rate higher early and lower late than the straight line
+    assert train.lr_at(4, 15, "cosine") > train.lr_at(4, 15, "linear")
+    assert train.lr_at(12, 15, "cosine") < train.lr_at(12, 15, "linear")
+    cfg = train.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
+    optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for name in ("policy", "critic")}
+    assert train.set_lr(optims, cfg, 3) == pytest.approx(5e-4)
+    assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
 
 
 def test_uses_a_running_env_server(tmp_path, cache_dir):

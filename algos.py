@@ -41,6 +41,9 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far beyond any clip range, still finite in float32
@@ -216,12 +219,87 @@ def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: fl
     return (masked_whiten(adv, m) if whiten else adv) * m, returns
 
 
+# ------------------------------------------------------------------- the estimators, by name
+# train.py's --algo NAME runs ESTIMATORS[NAME]: one function from AdvantageInputs to (advantages (B, T),
+# returns (B, T) or None), 0 off the sampled tokens. An estimator with critic=True gets the critic's values
+# and returns the critic's targets; the trainer then trains a critic (PPO). `register_estimator` adds one
+# from anywhere, a test file included; an unknown name is refused (`estimator`), never run as another.
+@dataclass
+class AdvantageInputs:
+    scores: torch.Tensor  # (B,) outcome reward of each trajectory
+    group_ids: torch.Tensor  # (B,) trajectories with the same id are copies of one task
+    mask: torch.Tensor  # (B, T) 1 on sampled tokens (the trainer's shifted loss mask)
+    values: torch.Tensor | None = None  # (B, T) V(prefix) per position, for estimators with critic=True
+    gamma: float = 1.0
+    lam: float = 1.0
+    # whitening over every sampled token of the batch; under torchrun the trainer passes one over all ranks
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, m: masked_whiten(x, m) * m
+
+    @property
+    def token_rewards(self) -> torch.Tensor:
+        return token_rewards_from_outcome(self.scores, self.mask)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable[[AdvantageInputs], tuple]
+    critic: bool = False  # needs values from a critic, and returns its targets
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str, critic: bool = False):
+    """Decorator: make `fn(inputs: AdvantageInputs) -> (advantages (B, T), returns (B, T) | None)` the
+    estimator `name` (train.py --algo NAME)."""
+    def add(fn):
+        ESTIMATORS[name] = Estimator(fn, critic)
+        return fn
+    return add
+
+
+def estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(ESTIMATORS))}")
+    return ESTIMATORS[name]
+
+
+@register_estimator("grpo")
+def _grpo(x: AdvantageInputs):
+    """GRPO: the group-normalised outcome on every sampled token of the trajectory."""
+    return grpo_advantages(x.scores, x.group_ids)[:, None] * x.mask, None
+
+
+@register_estimator("dr_grpo")
+def _dr_grpo(x: AdvantageInputs):
+    """Dr. GRPO: GRPO without the division by the group's std (pair with --loss-agg seq_mean_token_sum,
+    the paper's other half)."""
+    return grpo_advantages(x.scores, x.group_ids, norm_std=False)[:, None] * x.mask, None
+
+
+@register_estimator("rloo")
+def _rloo(x: AdvantageInputs):
+    return rloo_advantages(x.scores, x.group_ids)[:, None] * x.mask, None
+
+
+@register_estimator("reinforce_pp")
+def _reinforce_pp(x: AdvantageInputs):
+    return x.whiten(reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, whiten=False), x.mask), None
+
+
+@register_estimator("ppo", critic=True)
+def _gae(x: AdvantageInputs):
+    """PPO's: GAE over the sampled tokens with the critic's values; returns are the critic's targets."""
+    adv, returns = gae_advantages(x.token_rewards, x.values, x.mask, x.gamma, x.lam, whiten=False)
+    return x.whiten(adv, x.mask), returns
+
+
 # ---------------------------------------------------------------------------------------- losses
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean"):
     """Reduce a per-token loss (B, T) to a scalar over the sampled tokens:
         token_mean:          sum_{b,t} m l / sum_{b,t} m           (every token weighs the same)
         seq_mean_token_mean: mean_b [ sum_t m l / sum_t m ]        (every trajectory weighs the same;
-                             upstream default, FACTS.md)
+                             upstream default)
         seq_mean_token_sum:  mean_b [ sum_t m l ]                  (Dr. GRPO, Liu et al. 2025)
     Rows with no sampled token contribute nothing and do not count in the sequence means; if no row
     has a sampled token the loss is 0 (still attached to the graph, so backward() works)."""

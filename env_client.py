@@ -1,4 +1,4 @@
-"""Client side of the env protocol: action parsing, one `EnvClient` per instance, and `EnvPool` for many.
+"""Client side of the env protocol: one `EnvClient` per instance, and `EnvPool` for many.
 
 Drives this project's servers and AgentGym's own (FastAPI) servers alike:
 - instance ids travel as `id` or, for AgentGym's SearchQA/WebArena servers, as `env_idx`; `/create` may
@@ -20,82 +20,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
-
-# ---------------------------------------------------------------- action parsing, one place per env
-ONE_ACTION_ERROR = "Error: Only one 'Action' is allowed per response. Please adjust your response."
-_ACTION_RE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
-_NOT_ACTION_CHARS = re.compile(r"[^A-Za-z0-9, ]+")
-_SEARCH_TAG_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-_BACKTICK_BLOCK_RE = re.compile(r"```(.*?)```", re.DOTALL)
-# The observation AgentGym's WebArena client gives for a reply without an action block (kept verbatim:
-# agents trained on its transcripts have seen exactly this text).
-WEBARENA_NO_ACTION = ("Cannot parse action from response. Your action should be inside triple backticks (```). "
-                      "Please adjust accordingly.")
-
-
-@dataclass
-class ParsedAction:
-    action: str | None  # what to send to the env; None: do not step, reply with `error` instead
-    error: str | None = None  # the observation the agent gets instead of stepping the env
-
-
-def parse_thought_action(reply: str) -> ParsedAction:
-    """TextCraft and BabyAI ("Thought: ... Action: ..."): the line after `Action:`; more than one
-    `Action:` is refused with an error observation (reward 0, episode goes on); characters outside
-    [A-Za-z0-9, ] are removed and whitespace collapsed. No `Action:` at all sends an empty action."""
-    found = _ACTION_RE.findall(reply)
-    if len(found) > 1:
-        return ParsedAction(None, ONE_ACTION_ERROR)
-    action = found[0] if found else ""
-    return ParsedAction(" ".join(_NOT_ACTION_CHARS.sub("", action).split()))
-
-
-def parse_last_action(reply: str) -> ParsedAction:
-    """SciWorld: the text after the last `Action:` (the whole reply when there is none)."""
-    return ParsedAction(reply.rsplit("Action:", 1)[-1].strip())
-
-
-def parse_search_answer(reply: str) -> ParsedAction:
-    """Deep Search: the first `<search>..</search>` or `<answer>..</answer>` block, sent as written."""
-    m = _SEARCH_TAG_RE.search(reply)
-    return ParsedAction(m.group(0) if m else "")
-
-
-def parse_whole_reply(reply: str) -> ParsedAction:
-    """Corridor: the game reads the words itself (the last "left" or "right" counts)."""
-    return ParsedAction(reply)
-
-
-def parse_webarena(reply: str) -> ParsedAction:
-    """WebArena: the server parses the first ```action``` block itself, so the whole reply goes; a reply
-    without a block is answered here, as AgentGym's client does, without stepping the browser."""
-    if not _BACKTICK_BLOCK_RE.search(reply):
-        return ParsedAction(None, WEBARENA_NO_ACTION)
-    return ParsedAction(reply)
-
-
-ACTION_PARSERS = {
-    "textcraft": parse_thought_action,
-    "babyai": parse_thought_action,
-    "sciworld": parse_last_action,
-    "searchqa": parse_search_answer,
-    "webarena": parse_webarena,
-    "corridor": parse_whole_reply,
-}
-
-
-def parse_action(env: str, reply: str) -> ParsedAction:
-    if env not in ACTION_PARSERS:
-        raise ValueError(f"no action parser for env {env!r}; known: {sorted(ACTION_PARSERS)}")
-    return ACTION_PARSERS[env](reply)
-
 
 # ---------------------------------------------------------------- errors and results
 class EnvError(RuntimeError):
@@ -380,6 +310,13 @@ def task_splits(url: str, env: str, tasks_file: str | None = None, list_split: s
     return {"splits": served["splits"], "categories": {}}
 
 
+def spread(ids: list[int], k: int) -> list[int]:
+    """k ids spread evenly over the list (all of them when k is 0 or too large)."""
+    if not k or k >= len(ids):
+        return list(ids)
+    return [ids[i * len(ids) // k] for i in range(k)]
+
+
 # ---------------------------------------------------------------- many instances
 class EnvPool:
     """`size` instances on one server, reset and stepped together.
@@ -511,3 +448,32 @@ class EnvPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def env_ready(server, url: str, wait_s: float) -> None:
+    """Before a training step: restart the local env server (an env_server.app.ServerProcess, or None)
+    if it died; after a failed step, also wait up to
+    `wait_s` for the server to answer (a restart elsewhere takes a while). The pool replaces the lost
+    instances at its next reset."""
+    from tqdm import tqdm  # writes between progress-bar updates
+
+    deadline = time.time() + wait_s
+    while True:
+        if server is not None and not server.alive():
+            tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it on {server.url}")
+            try:
+                server.restart()
+            except RuntimeError as e:
+                tqdm.write(f"could not restart the env server: {e}")
+        if wait_s <= 0:
+            return
+        try:
+            Transport(url, timeout=5.0, retries=0).request("GET", "/")
+            return
+        except EnvError as e:
+            if e.kind not in ("connection", "timeout"):
+                return  # it answered (AgentGym's servers answer their health check in plain text)
+            if time.time() > deadline:
+                tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
+                return
+        time.sleep(1.0)

@@ -11,8 +11,9 @@ BabyAI score, ...):
 
     Avg@n  = mean_i ( mean_j s_ij )        Pass@n = mean_i [ max_j s_ij > 0 ]
 
-as in AgentGym-RL's tables. Prompts, the chat template and action parsing are exactly training's
-(agents.py: the scheme's opening messages and parsing; rollout.play_moves). A sample that ended in an
+as in AgentGym-RL's tables. Every policy plays through rollout.rollout, the loop training uses: the
+same opening messages, parsing and statuses (agents.py); a chat endpoint replies with text instead of
+token ids (`ChatPolicy`). A sample that ended in an
 infrastructure error (env server, or the chat endpoint) is left out and counted, never scored 0; a task
 whose every sample failed is left out of the averages. Categories come from the env's
 `task_category(world, idx)` (TextCraft depth_k, BabyAI level, Corridor distance_k), read in-process;
@@ -20,7 +21,8 @@ envs without one (e.g. a remote WebArena) get a single category "all".
 
 Writes OUT (JSON: config, per-task scores, overall and per-category avg@n / pass@n, status counts,
 excluded errors) and OUT_DIR/eval_rollouts.jsonl (the trajectories, in the rollout log format), and
-prints a table.
+prints a table. `held_out` is train.py's evaluation during a run: one sample per test task, split
+across torchrun's ranks.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agents import SCHEMES, make_agent
-from env_client import EnvError, EnvPool, task_splits
-from rollout import RolloutConfig, Trajectory, play_moves, start_trajectories, write_log
-from train import arg, check_positive, check_served_elsewhere, config_parser
+from agents import SCHEMES, opens_by_guessing
+from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, resolve_device, task_lists
+from distributed import all_gather_list, global_rank, world_size
+from env_client import EnvError
+from env_server.app import serving
+from rollout import EnginePolicy, Reply, RolloutConfig, Trajectory, is_success, play_in_chunks, rollout, write_log
 
 ENDPOINT_ERROR = "endpoint"  # prefix of Trajectory.error for a failed chat request (status env_error)
 
@@ -66,8 +69,8 @@ class EvalConfig:
     temperature: float = arg(1.0, "sampling temperature (the paper evaluates at 1)")
     top_p: float = arg(1.0, "nucleus sampling")
     max_turns: int = arg(30, "assistant turns per episode (the horizon K)")
-    agent: str = arg("react", "agent scheme: react (Thought/Action), plan (plan first, then act), reflect "
-                              "(reflect and retry after a failed attempt)", choices=sorted(SCHEMES))
+    agent: str = arg("react", "agent scheme (agents.SCHEMES): react (Thought/Action), plan (plan first, then act), "
+                              "reflect (reflect and retry after a failed attempt)", choices=lambda: sorted(SCHEMES))
     max_new_tokens: int = arg(64, "tokens per assistant turn")
     max_context: int = arg(4096, "tokens per trajectory (local engine)")
     batch: int = arg(64, "episodes played at once (env instances)")
@@ -75,20 +78,22 @@ class EvalConfig:
     out: str | None = arg(None, "result JSON (default: RUN_DIR/eval_SPLIT.json, else eval_ENV_SPLIT.json)")
     seed: int = arg(0, "seed of sampling")
     device: str = arg("auto", "cpu, cuda or auto")
-    threads: int = arg(0, "CPU threads for torch (0: all cores but one)")
+    threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
 
 
 def parse_args(argv=None) -> EvalConfig:
-    p = config_parser(EvalConfig, __doc__)
-    cfg = EvalConfig(**vars(p.parse_args(argv)))
+    p, cfg = parse_config(EvalConfig, argv, __doc__, prog="eval.py")
     if sum(x is not None for x in (cfg.checkpoint, cfg.model, cfg.endpoint)) > 1:
         p.error("give at most one of --checkpoint, --model, --endpoint")
     if cfg.endpoint and not cfg.endpoint_model:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
     check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
-    check_served_elsewhere(p, cfg)
+    check_env(p, cfg)
+    check_model(p, cfg.model)
+    if cfg.checkpoint and not os.path.isdir(os.path.join(cfg.checkpoint, "checkpoint", "model")):
+        p.error(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected {cfg.checkpoint}/checkpoint/model)")
     if cfg.greedy:
         if cfg.n != 1:
             print(f"--greedy: temperature 0 plays each task the same way; n forced from {cfg.n} to 1")
@@ -127,34 +132,18 @@ def score_table(rows) -> dict:
 def categories_for(env: str, item_ids: list[int], given: dict | None = None) -> dict[int, str]:
     """task id -> category: from `given` (a --tasks-file's), else the env's own `task_category`; "all"
     where there is neither."""
-    from env_server import ENVS, get_env_class
+    from agents import served_here
+    from env_server import get_env_class
 
     if given:
         return {i: given.get(i, "all") for i in item_ids}
-    if env not in ENVS:
+    if not served_here(env):
         return {i: "all" for i in item_ids}
     cls = get_env_class(env)
     if not hasattr(cls, "task_category"):
         return {i: "all" for i in item_ids}
     world = cls.load_world(None)
     return {i: cls.task_category(world, i) for i in item_ids}
-
-
-def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "eval",
-                   leave: bool = True, timeout: float = 120.0) -> list[Trajectory]:
-    """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
-    play(pool, items, groups) -> trajectories, chunk by chunk. The last chunk is padded to the pool's
-    size with copies, which are dropped after."""
-    from tqdm import tqdm
-
-    size = max(1, min(size, len(items)))
-    trajs: list[Trajectory] = []
-    with EnvPool(url, size, timeout=timeout) as pool:
-        for s in tqdm(range(0, len(items), size), desc=desc, leave=leave, dynamic_ncols=True):
-            its, gs = items[s:s + size], groups[s:s + size]
-            got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)))
-            trajs += got[: len(its)]
-    return trajs
 
 
 # ---------------------------------------------------------------- an OpenAI-compatible chat endpoint
@@ -197,122 +186,122 @@ class ChatEndpoint:
         raise last
 
 
-def endpoint_rollout(endpoint: ChatEndpoint, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-                     max_turns: int, workers: int = 16, agent: str = "react") -> list[Trajectory]:
-    """rollout.rollout at the message level: the same agent scheme, opening messages, parsing and
-    statuses, with the endpoint's chat template instead of token ids (token_ids, loss_mask and logprobs
-    stay empty)."""
-    agents = [make_agent(agent, env, max_turns) for _ in item_ids]
-    trajs = start_trajectories(pool, env, item_ids, groups, agents)
+class ChatPolicy:
+    """rollout's policy for a chat endpoint: each active trajectory's messages go out in parallel (up to
+    `workers` at once); the reply is text (no token row). A failed request is that trajectory's error."""
 
-    def ask(i: int):
-        try:
-            return endpoint.chat(trajs[i].messages)
-        except EnvError as e:
-            return e
+    def __init__(self, endpoint: ChatEndpoint, workers: int = 16):
+        self.endpoint, self.pool = endpoint, ThreadPoolExecutor(max(1, workers))
 
-    with ThreadPoolExecutor(max(1, min(workers, pool.size))) as ex:
-        for _turn in range(max_turns):
-            active = [i for i, t in enumerate(trajs) if not t.finished]
-            if not active:
-                break
-            moves = {}
-            for i, reply in zip(active, ex.map(ask, active)):
-                t = trajs[i]
-                if isinstance(reply, EnvError):  # counted and excluded, like an env error
-                    t.status, t.error = "env_error", str(reply)
-                    continue
-                t.turns += 1
-                t.messages.append({"role": "assistant", "content": reply})
-                moves[i] = agents[i].act(reply)
-            play_moves(pool, trajs, agents, moves, max_turns)
-    for t in trajs:
-        if not t.finished:
-            t.status = "max_turns"
-    return trajs
+    def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply | EnvError]:
+        def ask(t: Trajectory):
+            try:
+                return Reply(self.endpoint.chat(t.messages))
+            except EnvError as e:
+                return e
+        return list(self.pool.map(ask, trajs))
 
 
-# ---------------------------------------------------------------- the local engine
-def load_local(cfg: EvalConfig):
-    """(engine, chat format, model path) for a checkpoint, an HF model, or the built-in tiny model."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# ---------------------------------------------------------------- held-out evaluation during training
+def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig, step: int,
+             generator, batch: int = 64, timeout: float = 120.0, agent: str = "react",
+             categories: dict | None = None) -> dict:
+    """One sampled episode per held-out test task at the horizon rcfg.max_turns, at the training
+    temperature (the paper evaluates at 1), drawing from `generator` (seeded the same way at every
+    evaluation). Env errors are left out and counted. Under torchrun rank r plays every N-th task from
+    the r-th, and every rank returns the result over all of them."""
+    from tqdm import tqdm
 
-    import train
-    from checkpoints import find_checkpoint
-    from rollout import ChatFormat, HFEngine
+    t0 = time.time()
+    mine = test_ids[global_rank()::world_size()]
+    policy = EnginePolicy(engine, fmt, rcfg, generator)
 
-    if cfg.checkpoint:
-        ckpt = find_checkpoint(cfg.checkpoint)
-        if ckpt is None:
-            sys.exit(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected {cfg.checkpoint}/checkpoint/model)")
-        path = os.path.join(ckpt, "model")
-    else:
-        path = cfg.model or train.default_model_path(cfg.env, cfg.cache_dir)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
-    fmt = ChatFormat(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.eot_id
-    return HFEngine(model, pad_id), fmt, path
+    def play(pool, items, groups):
+        return rollout(policy, pool, env, items, groups, rcfg, fmt=fmt, agent=agent)
+
+    try:
+        trajs = play_in_chunks(url, batch, mine, list(range(len(mine))), play, desc=f"held-out eval @ step {step}",
+                               leave=False, timeout=timeout) if mine else []
+    except EnvError as e:  # no env server to play on: this evaluation has no result; training goes on
+        tqdm.write(f"held-out evaluation at step {step} failed: {e}")
+        trajs = [Trajectory(env, i, -1, [], [], [], [], status="env_error") for i in mine]
+    episodes = all_gather_list([(t.item_id, t.status, t.reward, t.turns, opens_by_guessing(t.messages), is_success(t))
+                                for t in trajs])
+    kept = [e for e in episodes if e[1] != "env_error"]
+    cat = categories_for(env, test_ids, categories)
+    by_cat: dict[str, list[float]] = {}
+    for item, *_, won in kept:
+        by_cat.setdefault(cat[item], []).append(float(won))
+    n = max(1, len(kept))
+    return {"step": step, "max_turns": rcfg.max_turns, "tasks": len(kept), "env_errors": len(episodes) - len(kept),
+            "success_rate": sum(e[5] for e in kept) / n, "reward_mean": sum(e[2] for e in kept) / n,
+            "turns_mean": sum(e[3] for e in kept) / n, "guess_share": sum(e[4] for e in kept) / n,
+            "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}
 
 
 # ---------------------------------------------------------------- the run
+def load_local(cfg: EvalConfig):
+    """(engine, chat format, model path) for a checkpoint, an HF model, or the built-in tiny model."""
+    from engines import HFEngine
+    from models import resolve
+    from policy import load_model, load_tokenizer, pad_id
+    from rollout import ChatFormat
+
+    path = os.path.join(cfg.checkpoint, "checkpoint", "model") if cfg.checkpoint else \
+        resolve(cfg.model, cfg.env, cfg.cache_dir)
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, resolve_device(cfg.device)).eval()
+    return HFEngine(model, pad_id(tokenizer)), ChatFormat(tokenizer), path
+
+
 def main(cfg: EvalConfig) -> dict:
-    server = None
-    if cfg.env_addr is None:
-        from env_server.app import ServerProcess
-        server = ServerProcess(cfg.env)
-    url = cfg.env_addr or server.url
-    try:
+    with serving(cfg.env, cfg.env_addr) as (url, _):
         return evaluate(cfg, url)
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def evaluate(cfg: EvalConfig, url: str) -> dict:
-    import torch
-
     t0 = time.time()
-    try:
-        listed = task_splits(url, cfg.env, cfg.tasks_file, list_split=cfg.split)
-    except ValueError as e:
-        sys.exit(str(e))
-    splits = listed["splits"]
-    if cfg.split not in splits:
-        sys.exit(f"--split {cfg.split!r}: the server has {sorted(splits)}")
-    tasks = list(splits[cfg.split])[: cfg.limit]
+    listed = task_lists(url, cfg.env, cfg.tasks_file, list_split=cfg.split, given=cfg.env_addr is not None)
+    if cfg.split not in listed["splits"]:
+        raise SystemExit(f"--split {cfg.split!r}: the server has {sorted(listed['splits'])}")
+    tasks = list(listed["splits"][cfg.split])[: cfg.limit]
     category = categories_for(cfg.env, tasks, listed["categories"])
     # Episode e plays task tasks[e // n] as its sample e % n; group = the task's position.
     episodes = [(g, item, j) for g, item in enumerate(tasks) for j in range(cfg.n)]
-
+    rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                         temperature=cfg.temperature, top_p=cfg.top_p)
     if cfg.endpoint:
         endpoint = ChatEndpoint(cfg.endpoint, cfg.endpoint_model, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                                 cfg.endpoint_timeout_s, cfg.endpoint_retries)
-        policy = f"endpoint {cfg.endpoint} ({cfg.endpoint_model})"
+        policy, fmt, name = ChatPolicy(endpoint, cfg.endpoint_workers), None, \
+            f"endpoint {cfg.endpoint} ({cfg.endpoint_model})"
     else:
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-        engine, fmt, path = load_local(cfg)
-        policy = path
-        generator = torch.Generator(next(engine.model.parameters()).device).manual_seed(cfg.seed)  # where it samples
-        rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                             max_context=cfg.max_context, temperature=cfg.temperature, top_p=cfg.top_p)
-    print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
-          f"temperature {cfg.temperature:g}, policy {policy}")
+        import torch
 
-    from rollout import rollout
+        torch.set_num_threads(cpu_threads(cfg.threads))
+        engine, fmt, name = load_local(cfg)
+        generator = torch.Generator(next(engine.model.parameters()).device).manual_seed(cfg.seed)  # where it samples
+        policy = EnginePolicy(engine, fmt, rcfg, generator)
+    print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
+          f"temperature {cfg.temperature:g}, policy {name}")
 
     def play(pool, items, groups):
-        if cfg.endpoint:
-            return endpoint_rollout(endpoint, pool, cfg.env, items, groups, cfg.max_turns, cfg.endpoint_workers,
-                                    cfg.agent)
-        return rollout(engine, fmt, pool, cfg.env, items, groups, rcfg, generator, agent=cfg.agent)
+        return rollout(policy, pool, cfg.env, items, groups, rcfg, fmt=fmt, agent=cfg.agent)
 
-    trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play)
+    trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval")
+    result = score(cfg, name, tasks, category, episodes, trajs, time.time() - t0)
+    out_dir = os.path.dirname(os.path.abspath(cfg.out))
+    os.makedirs(out_dir, exist_ok=True)
+    write_log(os.path.join(out_dir, "eval_rollouts.jsonl"), 0, cfg.max_turns, trajs)
+    with open(cfg.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print_table(result)
+    print(f"wrote {cfg.out} and {os.path.join(out_dir, 'eval_rollouts.jsonl')}")
+    return result
 
-    # -------- scores: errors are excluded and counted, never scored 0
+
+def score(cfg: EvalConfig, policy: str, tasks, category, episodes, trajs, seconds: float) -> dict:
+    """The result JSON: avg@n / pass@n overall and per category; errors excluded and counted, never 0."""
     rows, per_task = [], {item: {"item_id": item, "category": category[item], "scores": [], "errors": 0}
                           for item in tasks}
     excluded = {"env_error": 0, "endpoint_error": 0}
@@ -327,18 +316,8 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
     table = score_table(rows)
     statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
     # n_scored: the n in the avg@n / pass@n keys; below n only when errors removed samples
-    result = {"config": dataclasses.asdict(cfg), "policy": policy, "n": cfg.n, "n_scored": table.pop("n"),
-              **table, "statuses": statuses, "excluded": excluded, "tasks": list(per_task.values()),
-              "time_s": time.time() - t0}
-
-    out_dir = os.path.dirname(os.path.abspath(cfg.out))
-    os.makedirs(out_dir, exist_ok=True)
-    write_log(os.path.join(out_dir, "eval_rollouts.jsonl"), 0, cfg.max_turns, trajs)
-    with open(cfg.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print_table(result)
-    print(f"wrote {cfg.out} and {os.path.join(out_dir, 'eval_rollouts.jsonl')}")
-    return result
+    return {"config": dataclasses.asdict(cfg), "policy": policy, "n": cfg.n, "n_scored": table.pop("n"), **table,
+            "statuses": statuses, "excluded": excluded, "tasks": list(per_task.values()), "time_s": seconds}
 
 
 def print_table(result: dict) -> None:

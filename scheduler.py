@@ -21,6 +21,7 @@ integers is accepted. Zero or negative turns are rejected.
 
 from __future__ import annotations
 
+import math
 import re
 
 
@@ -192,25 +193,44 @@ class PlateauHorizon(HorizonSchedule):
 
 _SPEC_RE = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")
 
+# --schedule-kind NAME: a factory (rounds, every, **kw) -> HorizonSchedule for a list of two or more
+# horizons (a single horizon is always FixedHorizon). `register_schedule` adds one from anywhere.
+SCHEDULES: dict = {}
+
+
+def register_schedule(kind: str):
+    def add(factory):
+        SCHEDULES[kind] = factory
+        return factory
+    return add
+
+
+@register_schedule("step")
+def _stepwise(rounds: list[int], every: int, **kw) -> HorizonSchedule:
+    if kw:
+        raise ValueError(f"a stepwise schedule takes no {sorted(kw)}")
+    return StepwiseHorizon(rounds, every)
+
+
+@register_schedule("plateau")
+def _plateau(rounds: list[int], every: int, **kw) -> HorizonSchedule:
+    return PlateauHorizon(rounds, **kw)
+
 
 def make_schedule(spec: str, every: int = 100, kind: str = "step", **kw) -> HorizonSchedule:
     """Build a schedule from the CLI: `--schedule 15` is a fixed horizon, `--schedule 10,20,30` a staged
-    one; kind "step" advances every `every` steps (ScalingInter-RL), kind "plateau" when the success
-    rate plateaus (`**kw`: patience, min_delta, window). A single horizon is always FixedHorizon."""
+    one of kind `kind` (SCHEDULES): "step" advances every `every` steps (ScalingInter-RL), "plateau" when
+    the success rate plateaus (`**kw`: patience, min_delta, window)."""
     text = str(spec)
     if not _SPEC_RE.fullmatch(text):
         raise ValueError(f"--schedule must be a positive integer (fixed horizon) or a comma-separated "
                          f"list of them, e.g. 10,20,30; got {text!r}")
     rounds = _check_rounds(text.split(","))
-    if kind not in ("step", "plateau"):
-        raise ValueError(f"unknown schedule kind {kind!r}; expected 'step' or 'plateau'")
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule kind {kind!r}; registered: {', '.join(sorted(SCHEDULES))}")
     if len(rounds) == 1:
         return FixedHorizon(rounds[0])
-    if kind == "step":
-        if kw:
-            raise ValueError(f"a stepwise schedule takes no {sorted(kw)}")
-        return StepwiseHorizon(rounds, every)
-    return PlateauHorizon(rounds, **kw)
+    return SCHEDULES[kind](rounds, every, **kw)
 
 
 def stage_bounds(schedule: HorizonSchedule, total_steps: int) -> list[tuple[int, int, int]]:
@@ -223,3 +243,16 @@ def stage_bounds(schedule: HorizonSchedule, total_steps: int) -> list[tuple[int,
         else:
             bounds.append((step, step, schedule.max_turns(step)))
     return bounds
+
+
+# ---------------------------------------------------------------- the learning rate over the steps
+def lr_at(step: int, steps: int, decay: str) -> float:
+    """The share of the base learning rate at `step` (1-based) of `steps`: 1 at step 1, and with decay,
+    linear or along a half cosine, down to 1/steps at the last step (never 0: the last update counts)."""
+    low = 1.0 / steps
+    if decay == "linear":
+        return 1.0 - (step - 1) / steps
+    if decay == "cosine":
+        t = (step - 1) / (steps - 1) if steps > 1 else 0.0
+        return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return 1.0

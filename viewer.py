@@ -3,15 +3,15 @@ token by token, and two trajectories of one task side by side.
 
     python viewer.py runs/fixed3 runs/scaling [--port 8008] [--host 127.0.0.1] [--tokenizer PATH]
 
-Reads what train.py writes into a run folder (DESIGN.md, "Trajectory log" and "Metrics"):
-metrics.jsonl for the curves and each step's success rate, rollouts/step_*.jsonl for the trajectories,
-and checkpoint/model (or the `model` of config.json, or --tokenizer) for the tokenizer of the token view.
-Without a loadable tokenizer the token view shows token ids.
+Reads what train.py writes into a run folder (README, "Flags and the run folder"): metrics.jsonl for
+the curves and each step's success rate, eval.jsonl for the held-out curve, rollouts/step_*.jsonl for
+the trajectories, and checkpoint/model (or the `model` of config.json, or --tokenizer) for the tokenizer
+of the token view. Without a loadable tokenizer the token view shows token ids.
 
 Pages (read-only; runs are addressed by index, steps by number, trajectories by 1-based line number of
 the step file, so no part of a request is ever joined into a file path):
   /                                     runs
-  /run/R                                curves (success, reward, turns, horizon K) and the steps
+  /run/R                                curves (success, held-out success, reward, turns, horizon K), steps
   /run/R/step/S?env=&status=&task=&reward_min=&reward_max=&page=   the step's trajectories, 50 a page
   /run/R/step/S/traj/N                  one trajectory: turns, then every token coloured by loss_mask
   /run/R/step/S/compare?a=N&b=M         two trajectories side by side
@@ -58,9 +58,10 @@ def step_files(run_dir: str) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    """metrics.jsonl rows sorted by step; [] when absent. One small line per step: read on every request."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
+    """metrics.jsonl (or eval.jsonl, the held-out evaluations) rows sorted by step; [] when absent. One
+    small line per step: read on every request."""
+    path = os.path.join(run_dir, name)
     if not os.path.isfile(path):
         return []
     rows = []
@@ -345,6 +346,10 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None) -> Flask:
         by_step = {m["step"]: m for m in metrics}
         xs = [m["step"] for m in metrics]
         curves = [svg_curve(xs, [m.get(k) for m in metrics], title) for k, title in CURVES]
+        evals = read_metrics(d, "eval.jsonl")
+        if evals:  # the held-out evaluations train.py wrote (step 0 = before training)
+            curves.insert(1, svg_curve([e["step"] for e in evals], [e.get("success_rate") for e in evals],
+                                       f"held-out success ({evals[-1].get('tasks', '?')} test tasks)"))
         steps = [{"step": s, "m": by_step.get(s, {})} for s in step_files(d)]
         return page(os.path.basename(d), RUN, (), run=r, curves=curves, steps=steps)
 

@@ -5,7 +5,7 @@ least 20 points over the warm start within 30 minutes of wall time, on the machi
     python bench/main_command.py --env babyai --seed 1
 
 Runs each command (train.py as a subprocess: it builds and caches the warm start first if needed, which
-is not counted), reads the run's eval.jsonl and the summary train.py prints last, and prints per env the held-out success at
+is not counted), reads the run's eval.jsonl and summary.json, and prints per env the held-out success at
 step 0 and after the last step, the gain in points, the minutes from the first evaluation to the end
 (`minutes` in the summary) and whether both parts of the goal held. Exit status 1 when one did not.
 Each run takes about half an hour on 2 cores; this is a benchmark, not a test.
@@ -33,7 +33,8 @@ def run(env: str, seed: int, out: str) -> dict:
     t0 = time.time()
     done = subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True)  # progress: stderr
     print(done.stdout, end="", flush=True)
-    summary = json.loads(done.stdout.strip().splitlines()[-1])  # train.py's last line
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
     with open(os.path.join(out, "eval.jsonl")) as f:
         evals = [json.loads(x) for x in f]
     first, last = evals[0], evals[-1]

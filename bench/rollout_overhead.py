@@ -13,15 +13,20 @@ import argparse
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import models  # noqa: E402
 import train  # noqa: E402
+from cli import cpu_threads  # noqa: E402
+from engines import HFEngine  # noqa: E402
 from env_client import EnvPool  # noqa: E402
 from env_server.app import ServerProcess  # noqa: E402
-from rollout import ChatFormat, HFEngine, RolloutConfig, rollout  # noqa: E402
+from policy import load_model, load_tokenizer, pad_id  # noqa: E402
+from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
 class TimedEngine(HFEngine):
@@ -51,19 +56,18 @@ def main() -> None:
                             "--batch-size", str(max(1, a.trajectories // 4)), "--max-new-tokens", str(a.max_new_tokens),
                             "--micro-batch-tokens", str(a.micro_batch_tokens), "--threads", str(a.threads)]
                            + (["--model", a.model] if a.model else []))
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = cfg.model or train.tiny_model_path(cfg.env, cfg.cache_dir)
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    torch.set_num_threads(cpu_threads(cfg.threads))
+    path = models.resolve(cfg.model, cfg.env, cfg.cache_dir) if cfg.model else models.tiny_model_path(cfg.env, cfg.cache_dir)
+    tok, model = load_tokenizer(path), load_model(path)
     fmt = ChatFormat(tok)
-    engine = TimedEngine(model, tok.pad_token_id)
+    engine = TimedEngine(model, pad_id(tok))
     n = a.trajectories
     with ServerProcess(a.env) as server:
         pool = EnvPool(server.url, n)
         rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens)
         t0 = time.perf_counter()
-        trajs = rollout(engine, fmt, pool, a.env, [i // 4 for i in range(n)], [i // 4 for i in range(n)], rcfg,
-                        torch.Generator().manual_seed(0))
+        policy = EnginePolicy(engine, fmt, rcfg, torch.Generator().manual_seed(0))
+        trajs = rollout(policy, pool, a.env, [i // 4 for i in range(n)], [i // 4 for i in range(n)], rcfg, fmt=fmt)
         wall = time.perf_counter() - t0
         pool.close()
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
@@ -72,7 +76,9 @@ def main() -> None:
           f"rollout / generation = {wall / engine.seconds:.3f}  (target <= 1.2)")
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
-    m = train.update(cfg, model, None, None, optims, trajs, tok.pad_token_id, torch.device("cpu"))
+    run = SimpleNamespace(cfg=cfg, model=model, ref=None, critic=None, optims=optims, pad=pad_id(tok),
+                          device=torch.device("cpu"))
+    m = train.update(run, trajs)  # what train.update reads of a run
     dt = time.perf_counter() - t1
     print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} tokens/s, "
           f"padding share {m['padding_share']:.1%}  (target < 15%)")

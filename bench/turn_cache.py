@@ -17,11 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import train  # noqa: E402
-from env_client import EnvPool  # noqa: E402
+import models  # noqa: E402
+from cli import cpu_threads  # noqa: E402
+from engines import HFEngine  # noqa: E402
+from env_client import EnvPool, spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from env_server.app import ServerProcess  # noqa: E402
-from rollout import ChatFormat, HFEngine, RolloutConfig, rollout  # noqa: E402
+from policy import load_model, load_tokenizer, pad_id  # noqa: E402
+from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
 def main() -> None:
@@ -32,24 +35,23 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--model", default=None, help="HF model folder (default: the env's warm-started tiny model)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
     a = p.parse_args()
-    cfg = train.parse_args(["--env", a.env, "--threads", str(a.threads)])
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = a.model or train.default_model_path(a.env, cfg.cache_dir)
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    torch.set_num_threads(cpu_threads(a.threads))
+    path = a.model or models.default_model_path(a.env, a.cache_dir)
+    tok, model = load_tokenizer(path), load_model(path)
     fmt = ChatFormat(tok)
     cls = get_env_class(a.env)
-    items = train.spread(cls.splits(cls.load_world(None))["test"], a.tasks)
+    items = spread(cls.splits(cls.load_world(None))["test"], a.tasks)
     rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens, temperature=0.0)
     runs = {}
     with ServerProcess(a.env) as server:
         for name, reuse in (("full prompt every turn", False), ("cache kept across turns", True)):
-            engine = HFEngine(model, tok.pad_token_id)
+            engine = HFEngine(model, pad_id(tok))
             engine.reuse_ok = reuse
             with EnvPool(server.url, len(items)) as pool:
                 t0 = time.perf_counter()
-                trajs = rollout(engine, fmt, pool, a.env, items, list(range(len(items))), rcfg)
+                trajs = rollout(EnginePolicy(engine, fmt, rcfg), pool, a.env, items, list(range(len(items))), rcfg, fmt=fmt)
                 runs[name] = (time.perf_counter() - t0, engine, trajs)
     print(f"{a.env}: {len(items)} tasks x up to {a.turns} turns, greedy, {path}")
     for name, (wall, engine, trajs) in runs.items():

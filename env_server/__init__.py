@@ -1,24 +1,26 @@
-"""Environment servers speaking the AgentGym HTTP protocol. `python -m env_server NAME --port P`."""
+"""Environment servers speaking the AgentGym HTTP protocol. `python -m env_server NAME --port P`.
 
-import importlib
+Which games exist, and the class that serves each, is registered once, in agents.py (`register_env`).
+"""
 
 from .base import Env, StepResult, TaskError
 
-# name -> "module:Class"; modules are imported only when used (BabyAI pulls in minigrid, SciWorld a JVM).
-ENVS = {
-    "textcraft": "env_server.textcraft:TextCraftEnv",
-    "babyai": "env_server.babyai:BabyAIEnv",
-    "sciworld": "env_server.sciworld:SciWorldEnv",
-    "searchqa": "env_server.searchqa:SearchQAEnv",
-    "corridor": "env_server.corridor:CorridorEnv",  # a sanity-check game for learning tests
-}
-
 
 def get_env_class(name: str) -> type[Env]:
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; choose from {sorted(ENVS)}")
-    module, cls = ENVS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    """The class serving the registered game `name` (imported on first use)."""
+    from agents import env_spec, server_class
+
+    spec = env_spec(name)
+    if spec.server is None:
+        raise ValueError(f"{name!r} is served by another project (give its server's address with --env-addr)")
+    return server_class(spec)
 
 
-__all__ = ["ENVS", "Env", "StepResult", "TaskError", "get_env_class"]
+def served_envs() -> list[str]:
+    """The registered games this project serves."""
+    from agents import ENVS
+
+    return sorted(n for n, s in ENVS.items() if s.server is not None)
+
+
+__all__ = ["Env", "StepResult", "TaskError", "get_env_class", "served_envs"]

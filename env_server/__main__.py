@@ -1,4 +1,6 @@
-"""`python -m env_server NAME --port P`: serve one environment over HTTP (waitress, threaded)."""
+"""`python -m env_server NAME --port P`: serve one environment over HTTP (waitress, threaded).
+
+`python -m env_server NAME -h` lists that environment's own flags as well."""
 
 import argparse
 import logging
@@ -8,15 +10,18 @@ import sys
 import threading
 import time
 
-from . import ENVS, get_env_class
+from . import get_env_class, served_envs
 from .app import create_app, make_server
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m env_server", description=__doc__)
-    p.add_argument("name", choices=sorted(ENVS), help="which environment to serve")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p = argparse.ArgumentParser(prog="python -m env_server", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    names = served_envs()
+    p.add_argument("name", choices=names, help="which environment to serve; `python -m env_server NAME -h` "
+                                              "also lists that environment's own flags")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 serves this machine only")
     p.add_argument("--port", type=int, default=36001, help="port (0 picks a free one and prints it)")
     p.add_argument("--threads", type=int, default=4,
                    help="worker threads serving requests (more for games that wait on I/O or a JVM)")
@@ -29,8 +34,8 @@ def main(argv=None) -> None:
                         "is marked hung (its thread is abandoned), the rest of the server keeps serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers such as train.py)")
-    name = argv[0] if argv and argv[0] in ENVS else None  # before parsing, so --help lists its flags
-    env_cls = get_env_class(name) if name in ENVS else None
+    name = argv[0] if argv and argv[0] in names else None  # before parsing, so --help lists its flags
+    env_cls = get_env_class(name) if name else None
     if env_cls is not None:
         env_cls.add_args(p.add_argument_group(f"{name} options"))
     args = p.parse_args(argv)
@@ -47,7 +52,12 @@ def main(argv=None) -> None:
         p.error(f"cannot load {name}: {e}")
     app = create_app(env_cls, world, max_instances=args.max_instances, idle_timeout_s=args.idle_timeout,
                      op_timeout_s=args.op_timeout, max_body_bytes=args.max_body_kb * 1024)
-    server = make_server(app, args.host, args.port, threads=args.threads)
+    try:
+        server = make_server(app, args.host, args.port, threads=args.threads)
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        app.extensions["registry"].stop()
+        sys.exit(f"python -m env_server: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+                 "(another server on that port? pick another with --port, or 0 for a free one)")
     # This exact line is how launchers learn the port when --port 0 was asked for.
     print(f"serving {name} on http://{args.host}:{server.effective_port}", flush=True)
     # SIGTERM (what launchers send) unwinds like Ctrl-C, so instances (JVMs, browsers) get closed.

@@ -631,3 +631,18 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+@contextlib.contextmanager
+def serving(name: str, env_addr: str | None = None, **kw):
+    """(url, server) of the env server a script plays on: `env_addr` as given (server None), else a local
+    `python -m env_server NAME` (a ServerProcess, `kw` its options) started for the duration."""
+    if env_addr:
+        yield env_addr, None
+        return
+    server = ServerProcess(name, **kw)
+    try:
+        yield server.url, server
+    finally:
+        server.stop()
+

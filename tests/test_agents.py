@@ -9,11 +9,45 @@ from conftest import sampled_runs
 from test_rollout import ScriptedEngine, real_tokenizer
 
 import agents
-from agents import PLAN_ASK, PLAN_GO, REFLECT_ASK, RESTART, make_agent
-from env_client import ONE_ACTION_ERROR, EnvPool, item_id, read_tasks_file, task_splits
+from agents import (ONE_ACTION_ERROR, PLAN_ASK, PLAN_GO, REFLECT_ASK, RESTART, make_agent, parse_action,
+                    parse_last_action, parse_search_answer, parse_thought_action)
+from env_client import EnvPool, item_id, read_tasks_file, task_splits
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
-from rollout import ChatFormat, RolloutConfig, rollout
+from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout
+
+
+# ---------------------------------------------------------------- parsing, parser by parser
+@pytest.mark.parametrize("reply,action", [
+    ("Thought:\nI need logs.\n\nAction:\nget 1 oak log", "get 1 oak log"),
+    ("Action: craft 4 oak planks using 1 oak log\nmore text", "craft 4 oak planks using 1 oak log"),
+    ("Thought: ok\nAction:   inventory  ", "inventory"),
+    ("Action: get 2 'dark' oak_log!!", "get 2 dark oaklog"),  # only [A-Za-z0-9, ] survive
+    ("Action: go to red   ball 1.", "go to red ball 1"),
+    ("I will just talk.", ""),
+    ("", ""),
+])
+def test_thought_action_parsing(reply, action):
+    assert parse_thought_action(reply).action == action
+    assert parse_thought_action(reply).error is None
+
+
+def test_one_action_rule():
+    p = parse_thought_action("Action: get 1 stick\nAction: inventory")
+    assert p.action is None and p.error == ONE_ACTION_ERROR
+    assert parse_action("babyai", "Action: turn left\nAction: turn right").error == ONE_ACTION_ERROR
+
+
+def test_other_parsers():
+    assert parse_last_action("Thought: x\nAction: open door\nAction: look around\n").action == "look around"
+    assert parse_last_action("look around").action == "look around"
+    assert parse_search_answer("<think>hm</think><search>who is x</search><answer>y</answer>").action \
+        == "<search>who is x</search>"
+    assert parse_search_answer("no tags").action == ""
+    assert parse_action("webarena", "so: ```click [12]```").action == "so: ```click [12]```"
+    assert parse_action("webarena", "click [12]").action is None  # no ``` block: refused client-side
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        parse_action("nope", "x")
 
 
 # ---------------------------------------------------------------- parsing, scheme by scheme
@@ -95,8 +129,9 @@ def corridor_url():
 def play(url, scheme, replies, max_turns, task=1):
     fmt = ChatFormat(real_tokenizer("qwen2.5-instruct"))
     with EnvPool(url, 1) as pool:
-        (t,) = rollout(ScriptedEngine(fmt, replies), fmt, pool, "corridor", [task], [0],
-                       RolloutConfig(max_turns=max_turns), agent=scheme)
+        rcfg = RolloutConfig(max_turns=max_turns)
+        (t,) = rollout(EnginePolicy(ScriptedEngine(fmt, replies), fmt, rcfg), pool, "corridor", [task], [0], rcfg,
+                       fmt=fmt, agent=scheme)
     return fmt, t
 
 

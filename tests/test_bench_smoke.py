@@ -47,8 +47,8 @@ def test_turn_cache_bench_runs(tmp_path):
 
 
 def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
-    """bench/main_command.py's plumbing on a tiny Corridor run: train.py's last line and eval.jsonl read
-    back into the gain and the minutes the goal is judged on."""
+    """bench/main_command.py's plumbing on a tiny Corridor run: the run folder's summary.json and eval.jsonl read
+    back into the gain and the minutes the goal is judged on (summary.json)."""
     import json
     import os
     sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -7,12 +7,15 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT
 
 import algos
+import models
+import policy
 import train
 from rollout import Trajectory
 
@@ -106,18 +109,19 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     cfg = train.parse_args(["--env", "corridor", *flags])
     load = lambda: AutoModelForCausalLM.from_pretrained(model_dir)  # noqa: E731
     model, ref = load(), load().eval() if cfg.kl_coef > 0 else None
-    critic = train.Critic(model_dir) if cfg.algo == "ppo" else None
+    critic = policy.Critic(model_dir) if cfg.algo == "ppo" else None
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # as train.py: checkpointing is active in training mode only
     if sharded:
-        model, ref, critic = (train.shard_model(m, torch.device("cpu")) if m is not None else None
+        model, ref, critic = (policy.shard_model(m, torch.device("cpu")) if m is not None else None
                               for m in (model, ref, critic))
     optims = {"policy": torch.optim.SGD(model.parameters(), lr=0.5)}
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
-    stats = train.update(cfg, model, critic, ref, optims, trajs, 0, torch.device("cpu"))
+    run = SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=0, device=torch.device("cpu"))
+    stats = train.update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank: whole tensors
     return stats, torch.cat([v.detach().float().flatten() for _, v in sorted(full.items())])
@@ -169,7 +173,7 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cache"))
-    train.default_model_path("corridor", path)  # built once here, not by the ranks
+    models.default_model_path("corridor", path)  # built once here, not by the ranks
     return path
 
 

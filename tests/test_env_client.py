@@ -1,4 +1,4 @@
-"""env_client.py: action parsing, EnvClient and EnvPool against our server and against stand-ins that
+"""env_client.py: EnvClient and EnvPool against our server and against stand-ins that
 answer the way AgentGym's own servers do (env_idx ids, bare-int create, score, terminated/truncated,
 HTTP-200 error bodies)."""
 
@@ -7,42 +7,8 @@ import socket
 import pytest
 from flask import Flask, jsonify, request
 
-from env_client import (ONE_ACTION_ERROR, EnvClient, EnvError, EnvPool, Transport, parse_action,
-                        parse_last_action, parse_search_answer, parse_thought_action)
+from env_client import EnvClient, EnvError, EnvPool, Transport
 from env_server.app import serve_wsgi_in_thread
-
-
-# ---------------------------------------------------------------- parsing
-@pytest.mark.parametrize("reply,action", [
-    ("Thought:\nI need logs.\n\nAction:\nget 1 oak log", "get 1 oak log"),
-    ("Action: craft 4 oak planks using 1 oak log\nmore text", "craft 4 oak planks using 1 oak log"),
-    ("Thought: ok\nAction:   inventory  ", "inventory"),
-    ("Action: get 2 'dark' oak_log!!", "get 2 dark oaklog"),  # only [A-Za-z0-9, ] survive
-    ("Action: go to red   ball 1.", "go to red ball 1"),
-    ("I will just talk.", ""),
-    ("", ""),
-])
-def test_thought_action_parsing(reply, action):
-    assert parse_thought_action(reply).action == action
-    assert parse_thought_action(reply).error is None
-
-
-def test_one_action_rule():
-    p = parse_thought_action("Action: get 1 stick\nAction: inventory")
-    assert p.action is None and p.error == ONE_ACTION_ERROR
-    assert parse_action("babyai", "Action: turn left\nAction: turn right").error == ONE_ACTION_ERROR
-
-
-def test_other_parsers():
-    assert parse_last_action("Thought: x\nAction: open door\nAction: look around\n").action == "look around"
-    assert parse_last_action("look around").action == "look around"
-    assert parse_search_answer("<think>hm</think><search>who is x</search><answer>y</answer>").action \
-        == "<search>who is x</search>"
-    assert parse_search_answer("no tags").action == ""
-    assert parse_action("webarena", "so: ```click [12]```").action == "so: ```click [12]```"
-    assert parse_action("webarena", "click [12]").action is None  # no ``` block: refused client-side
-    with pytest.raises(ValueError, match="no action parser for env 'nope'"):
-        parse_action("nope", "x")
 
 
 # ---------------------------------------------------------------- our server

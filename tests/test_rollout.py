@@ -8,10 +8,12 @@ import pytest
 import torch
 from conftest import sampled_runs
 
-from env_client import ONE_ACTION_ERROR, EnvPool
+from agents import ONE_ACTION_ERROR
+from env_client import EnvPool
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
-from rollout import (ChatFormat, HFEngine, RolloutConfig, Sample, build_batch, length_buckets, rollout,
+from engines import HFEngine, Sample
+from rollout import (ChatFormat, EnginePolicy, RolloutConfig, build_batch, length_buckets, rollout,
                      write_log)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,8 +73,9 @@ REPLIES = ["Thought: check.\nAction: inventory", "Thought: logs.\nAction: get 1 
 def play(url, tok, replies, n=2, cut=(), **cfg):
     fmt = ChatFormat(tok)
     with EnvPool(url, n) as pool:
-        trajs = rollout(ScriptedEngine(fmt, replies, cut), fmt, pool, "textcraft", list(range(n)),
-                        list(range(n)), RolloutConfig(**{"max_turns": 3, **cfg}))
+        rcfg = RolloutConfig(**{"max_turns": 3, **cfg})
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut), fmt, rcfg), pool, "textcraft", list(range(n)),
+                        list(range(n)), rcfg, fmt=fmt)
     return fmt, trajs
 
 
@@ -129,8 +132,9 @@ def test_statuses_and_env_errors(textcraft_url):
     _, trajs = play(textcraft_url, tok, REPLIES, max_context=n_prompt + 60, max_new_tokens=40)
     assert {t.status for t in trajs} == {"context_limit"}
     with EnvPool(textcraft_url, 2) as pool:
-        trajs = rollout(ScriptedEngine(fmt, REPLIES), fmt, pool, "textcraft", [0, 10**6], [0, 1],
-                        RolloutConfig(max_turns=2))
+        rcfg = RolloutConfig(max_turns=2)
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft", [0, 10**6], [0, 1],
+                        rcfg, fmt=fmt)
     assert trajs[0].status == "max_turns"
     assert trajs[1].status == "env_error" and "out of range" in trajs[1].error and trajs[1].token_ids == []
 

@@ -1,4 +1,4 @@
-"""sft.py: expert rows equal the chat template (same token path as rollouts), SFT lowers the loss and
+"""sft.py and warmstart.py: expert rows equal the chat template (same token path as rollouts), SFT lowers the loss and
 makes a tiny model solve Corridor tasks it could not, AgentEvol and DPO run, pairs stay within a task,
 and the command line saves a loadable model and names bad flags."""
 
@@ -12,10 +12,11 @@ import torch
 from conftest import ROOT, sampled_runs
 
 import sft
+import warmstart
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
 from agents import opens_by_guessing, react_reply
-from rollout import ChatFormat, RolloutConfig, Trajectory, write_log
+from rollout import ChatFormat, RolloutConfig, Trajectory, is_success, write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -65,12 +66,12 @@ def check_rows(fmt, trajs):
 def test_expert_rows_match_the_chat_template(corridor_model_path):
     _, tok = load(corridor_model_path)
     fmt = ChatFormat(tok)
-    trajs = sft.expert_trajectories("corridor", [0, 5, 48], fmt)
+    trajs = warmstart.expert_trajectories("corridor", [0, 5, 48], fmt)
     assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
     assert [t.turns for t in trajs] == [1, 3, 1]
     assert trajs[1].messages[3]["content"] == react_reply("corridor", "left")
     check_rows(fmt, trajs)
-    capped = sft.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
+    capped = warmstart.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
                                      max_turns=3)
     assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
 
@@ -80,8 +81,8 @@ def test_the_guesser_plays_its_share_of_episodes_and_keeps_guessing(corridor_mod
     on the tasks in shuffled turn; every guesser reply thinks GUESS_THOUGHT over a wrong action."""
     fmt = ChatFormat(load(corridor_model_path)[1])
     ids = [5, 6, 7, 8]
-    clean = sft.expert_trajectories("corridor", ids, fmt)
-    mixed = sft.expert_trajectories("corridor", ids, fmt, guess=0.75, guess_turns=2)
+    clean = warmstart.expert_trajectories("corridor", ids, fmt)
+    mixed = warmstart.expert_trajectories("corridor", ids, fmt, guess=0.75, guess_turns=2)
     assert len(mixed) == 16 and [t.messages for t in mixed[:4]] == [t.messages for t in clean]
     guessers = mixed[4:]
     assert sorted(t.item_id for t in guessers) == sorted(ids * 3)
@@ -89,13 +90,13 @@ def test_the_guesser_plays_its_share_of_episodes_and_keeps_guessing(corridor_mod
     expert = {t.item_id: t.messages[3]["content"].split("Action: ")[1] for t in clean}
     for t in guessers:
         replies = [m["content"] for m in t.messages[3::2]]
-        assert t.turns == len(replies) <= 2 and all(sft.GUESS_THOUGHT in r for r in replies)
+        assert t.turns == len(replies) <= 2 and all(warmstart.GUESS_THOUGHT in r for r in replies)
         assert replies[0].split("Action: ")[1] != expert[t.item_id]  # never the expert's first move
     assert all(t.turns == 2 for t in guessers if t.status == "max_turns")
     check_rows(fmt, mixed)
-    assert len(sft.expert_trajectories("corridor", ids, fmt, guess=0.5)) == 8
+    assert len(warmstart.expert_trajectories("corridor", ids, fmt, guess=0.5)) == 8
     with pytest.raises(AssertionError, match="guess"):
-        sft.expert_trajectories("corridor", ids, fmt, guess=1.0)
+        warmstart.expert_trajectories("corridor", ids, fmt, guess=1.0)
 
 
 def test_a_stalling_guesser_repeats_one_action_and_sees_the_same_thing(corridor_model_path, monkeypatch):
@@ -103,17 +104,17 @@ def test_a_stalling_guesser_repeats_one_action_and_sees_the_same_thing(corridor_
     guess_turns turns, without asking the expert; on a no-op action each observation repeats the last."""
     fmt = ChatFormat(load(corridor_model_path)[1])
     ids = [5, 6]
-    clean = sft.expert_trajectories("corridor", ids, fmt)
+    clean = warmstart.expert_trajectories("corridor", ids, fmt)
     from env_server import get_env_class
     cls, asked = get_env_class("corridor"), []
     expert = cls.expert_action
     monkeypatch.setattr(cls, "expert_action", lambda self: asked.append(1) or expert(self))
-    mixed = sft.expert_trajectories("corridor", ids, fmt, guess=0.5, guess_turns=4, guess_action="wait")
+    mixed = warmstart.expert_trajectories("corridor", ids, fmt, guess=0.5, guess_turns=4, guess_action="wait")
     assert len(asked) == sum(t.turns for t in clean)  # once per expert turn, never for the guesser
     assert [t.messages for t in mixed[:2]] == [t.messages for t in clean]
     for t in mixed[2:]:
         assert opens_by_guessing(t.messages) and t.turns == 4 and t.status == "max_turns"
-        assert {m["content"] for m in t.messages[3::2]} == {f"Thought: {sft.STALL_THOUGHT}\nAction: wait"}
+        assert {m["content"] for m in t.messages[3::2]} == {f"Thought: {warmstart.STALL_THOUGHT}\nAction: wait"}
         seen = [m["content"] for m in t.messages[2::2]]  # the first observation, then one per turn
         assert len(seen) == 5 and len(set(seen)) == 1
     check_rows(fmt, mixed)
@@ -127,12 +128,12 @@ def test_expert_rows_match_real_chat_templates():
         pytest.skip(f"tokenizer fixtures not found at {FIXTURES} (set TOKENIZER_FIXTURES)")
     for tok in toks:
         fmt = ChatFormat(tok)
-        trajs = sft.expert_trajectories("textcraft", [0, 1, 2], fmt, noise=0.3, seed=1)
+        trajs = warmstart.expert_trajectories("textcraft", [0, 1, 2], fmt, noise=0.3, seed=1)
         assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
         check_rows(fmt, trajs)
-        clean = sft.expert_trajectories("textcraft", [0, 1, 2], fmt)
+        clean = warmstart.expert_trajectories("textcraft", [0, 1, 2], fmt)
         assert sum(t.turns for t in trajs) > sum(t.turns for t in clean)  # wrong actions cost turns
-        varied = sft.expert_trajectories("textcraft", [40, 41], fmt, variants=2)
+        varied = warmstart.expert_trajectories("textcraft", [40, 41], fmt, variants=2)
         assert [t.item_id for t in varied] == [40, 41, 40, 41] and all(t.reward == 1.0 for t in varied)
         assert varied[0].messages[2]["content"] != varied[2].messages[2]["content"]  # other distractors
         assert varied[0].messages[2]["content"].splitlines()[-1] == varied[2].messages[2]["content"].splitlines()[-1]
@@ -140,25 +141,25 @@ def test_expert_rows_match_real_chat_templates():
         # the expert thinks aloud (the recipes from the goal down), a swapped-in wrong action does not
         thoughts = [m["content"].splitlines()[0] for t in trajs for m in t.messages[3::2]]
         assert sum(" using " in x for x in thoughts) > sum(x.startswith("Thought: I will ") for x in thoughts) > 0
-        plain = sft.expert_trajectories("textcraft", [0, 1, 2], fmt, thoughts=False)
+        plain = warmstart.expert_trajectories("textcraft", [0, 1, 2], fmt, thoughts=False)
         assert all(m["content"].startswith("Thought: I will ") for t in plain for m in t.messages[3::2])
         assert [t.turns for t in plain] == [t.turns for t in clean]
     with pytest.raises(ValueError, match="no task variants"):
-        sft.expert_trajectories("corridor", [0], ChatFormat(toks[0]), variants=2)
+        warmstart.expert_trajectories("corridor", [0], ChatFormat(toks[0]), variants=2)
 
 
 def test_sft_lowers_loss_and_solves_more_corridor_tasks(corridor_model_path, corridor_url):
     model, tok = load(corridor_model_path)
     fmt = ChatFormat(tok)
-    data = sft.expert_trajectories("corridor", list(range(48)), fmt)
+    data = warmstart.expert_trajectories("corridor", list(range(48)), fmt)
     rcfg = RolloutConfig(max_turns=6, max_new_tokens=16, temperature=0.0)
     test_ids = list(range(48, 60))
 
     def solved():
-        return sum(map(sft.is_success, sft.play(model, tok, corridor_url, "corridor", test_ids, rcfg)))
+        return sum(map(is_success, sft.play(model, tok, corridor_url, "corridor", test_ids, rcfg)))
 
     before = solved()
-    losses = sft.sft(model, tok, data, epochs=8, lr=3e-3, batch_size=4, progress=False)
+    losses = warmstart.sft(model, tok, data, epochs=8, lr=3e-3, batch_size=4, progress=False)
     after = solved()
     print(f"corridor SFT: loss {losses[0]:.3f} -> {losses[-1]:.3f}; solved {before} -> {after} of 12")
     assert losses[-1] < 0.3 * losses[0]
@@ -167,7 +168,7 @@ def test_sft_lowers_loss_and_solves_more_corridor_tasks(corridor_model_path, cor
 
 def test_copy_batch_shows_each_sequence_twice():
     import random
-    rows = sft.copy_batch(random.Random(0), list(range(3, 40)), [list(range(100, 160))], 6, 12)
+    rows = warmstart.copy_batch(random.Random(0), list(range(3, 40)), [list(range(100, 160))], 6, 12)
     assert len(rows) == 6
     for b, (ids, mask) in enumerate(rows):
         n = len(ids) // 2
@@ -184,15 +185,15 @@ def test_copy_pretraining_teaches_copying_from_context(corridor_model_path):
     import tiny_model
     model, tok = load(corridor_model_path)
     vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
-    held_out = sft.copy_batch(random.Random(99), vocab, [], 64, 16)  # random tokens only
+    held_out = warmstart.copy_batch(random.Random(99), vocab, [], 64, 16)  # random tokens only
     first = [(ids, [1 - m for m in mask]) for ids, mask in held_out]  # the loss on the first copy instead
 
     def losses():
         with torch.no_grad():
-            return float(sft.copy_loss(model, first, tok.pad_token_id)), float(sft.copy_loss(model, held_out, tok.pad_token_id))
+            return float(warmstart.copy_loss(model, first, tok.pad_token_id)), float(warmstart.copy_loss(model, held_out, tok.pad_token_id))
 
     before = losses()
-    sft.copy_pretrain(model, tok, tiny_model.corpus(("corridor",), 20), 300, lr=3e-3, batch_size=16, max_len=16,
+    warmstart.copy_pretrain(model, tok, tiny_model.corpus(("corridor",), 20), 300, lr=3e-3, batch_size=16, max_len=16,
                       progress=False)
     after = losses()
     print(f"copy loss (first copy, second copy): {before} -> {after}; uniform {math.log(len(vocab)):.3f}")
@@ -202,7 +203,7 @@ def test_copy_pretraining_teaches_copying_from_context(corridor_model_path):
 
 def test_agent_evol_runs_one_iteration(corridor_model_path, corridor_url):
     model, tok = load(corridor_model_path)
-    seed_data = sft.expert_trajectories("corridor", [0, 1], ChatFormat(tok))
+    seed_data = warmstart.expert_trajectories("corridor", [0, 1], ChatFormat(tok))
     rates = sft.agent_evol(model, tok, corridor_url, "corridor", [0, 1, 2], iterations=1, samples_per_task=2,
                            data=seed_data, max_turns=3, max_new_tokens=8, lr=1e-3, progress=False)
     assert len(rates) == 1 and 0.0 <= rates[0] <= 1.0
@@ -212,9 +213,9 @@ def test_dpo_loss_decreases_on_one_pair(corridor_model_path):
     import copy
     model, tok = load(corridor_model_path)
     fmt = ChatFormat(tok)
-    chosen = sft.expert_trajectories("corridor", [2], fmt)[0]
-    rejected = sft.expert_trajectories("corridor", [2], fmt, noise=1.0, max_turns=3)[0]
-    assert sft.is_success(chosen) and not sft.is_success(rejected)
+    chosen = warmstart.expert_trajectories("corridor", [2], fmt)[0]
+    rejected = warmstart.expert_trajectories("corridor", [2], fmt, noise=1.0, max_turns=3)[0]
+    assert is_success(chosen) and not is_success(rejected)
     ref = copy.deepcopy(model)
     losses = sft.dpo(model, ref, tok, [(chosen, rejected)] * 5, beta=0.1, lr=1e-3, batch_size=1, progress=False)
     assert len(losses) == 5
@@ -232,12 +233,12 @@ def test_make_pairs_stays_within_an_item():
     pairs = sft.make_pairs(ts)
     assert len(pairs) == 2
     for c, r in pairs:
-        assert c.item_id == r.item_id == 0 and sft.is_success(c) and not sft.is_success(r)
+        assert c.item_id == r.item_id == 0 and is_success(c) and not is_success(r)
     assert {id(r) for _, r in pairs} == {id(ts[1]), id(ts[2])}
 
 
 def test_load_log_reads_files_and_folders(tmp_path, corridor_model_path):
-    trajs = sft.expert_trajectories("corridor", [0, 1], ChatFormat(load(corridor_model_path)[1]))
+    trajs = warmstart.expert_trajectories("corridor", [0, 1], ChatFormat(load(corridor_model_path)[1]))
     trajs[1].reward, trajs[1].status = 0.0, "max_turns"
     write_log(str(tmp_path / "rollouts" / "step_000001.jsonl"), 1, 6, trajs)
     assert len(sft.load_log(str(tmp_path))) == 2

@@ -5,12 +5,17 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT
 
+import models
+import policy
 import train
+import warmstart
+from env_client import spread
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
         "--eval-every", "0"]
@@ -28,6 +33,12 @@ def run_train(args, cache_dir, check=True):
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
     return out
+
+
+def update_run(cfg, model, optims, pad, critic=None, ref=None):
+    """What train.update reads of a run (train.Run), for calling it on a model directly."""
+    return SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=pad,
+                           device=torch.device("cpu"))
 
 
 def metrics(out_dir):
@@ -104,7 +115,7 @@ def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
     assert train.lr_at(12, 15, "cosine") < train.lr_at(12, 15, "linear")
     cfg = train.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
     optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for name in ("policy", "critic")}
-    assert train.set_lr(optims, cfg, 3) == pytest.approx(5e-4)
+    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims), 3) == pytest.approx(5e-4)
     assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
 
 
@@ -147,7 +158,7 @@ def test_rollout_metrics_count_episodes_that_open_with_a_guess():
                                                                   "content": react_reply("corridor", "left", thought)}]
         trajs.append(Trajectory("corridor", 0, 0, msgs, [], [], [], status="done", reward=1.0))
     trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [], []))  # no reply
-    m = train.rollout_metrics(trajs, trajs, 4, 1.0)
+    m = train.rollout_metrics(trajs, 4, 1.0)
     assert m["guess_share"] == 2 / 5 and m["success_rate"] == 4 / 5
 
 
@@ -160,16 +171,18 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
     from env_server.app import serve_in_thread
     from env_server.corridor import CorridorEnv
     from env_client import EnvPool
-    from rollout import ChatFormat, HFEngine, RolloutConfig, rollout
+    from engines import HFEngine
+    from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = train.parse_args([*TINY, "--cache-dir", cache_dir])
-    path = train.default_model_path(cfg.env, cfg.cache_dir)
+    path = models.default_model_path(cfg.env, cfg.cache_dir)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     url, stop = serve_in_thread(CorridorEnv)
+    fmt, rcfg = ChatFormat(tok), RolloutConfig(max_turns=3, max_new_tokens=5)
     with EnvPool(url, 6) as pool:
-        trajs = rollout(HFEngine(model, tok.pad_token_id), ChatFormat(tok), pool, "corridor", [0, 0, 1, 1, 2, 2],
-                        [0, 0, 1, 1, 2, 2], RolloutConfig(max_turns=3, max_new_tokens=5), torch.Generator().manual_seed(1))
+        policy = EnginePolicy(HFEngine(model, tok.pad_token_id), fmt, rcfg, torch.Generator().manual_seed(1))
+        trajs = rollout(policy, pool, "corridor", [0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2], rcfg, fmt=fmt)
     stop()
     trajs[0].reward = trajs[3].reward = 1.0  # make the advantages non-zero
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
@@ -177,8 +190,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
         for micro in (100_000, 1):  # one micro-batch / one row per micro-batch
             c = train.parse_args([*TINY, "--loss-agg", mode, "--micro-batch-tokens", str(micro)])
             m = copy.deepcopy(model)
-            train.update(c, m, None, None, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, trajs,
-                         tok.pad_token_id, torch.device("cpu"))
+            train.update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, tok.pad_token_id), trajs)
             results.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert (results[0] - before).abs().max() > 1e-6
@@ -196,9 +208,9 @@ def test_masked_logprobs_equal_the_full_forward():
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(12).repeat(3, 1)}
     mask = (torch.rand(3, 11) < 0.4).long()
     mask[0, 3] = 1
-    full_lp, full_ent = train.token_logprobs(model, mb, 0.7, with_entropy=True)
-    lp, ent = train.token_logprobs(model, mb, 0.7, with_entropy=True, mask=mask)
-    assert train._head_split_ok(model)
+    full_lp, full_ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True)
+    lp, ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True, mask=mask)
+    assert policy._head_split_ok(model)
     m = mask.bool()
     assert torch.allclose(lp[m], full_lp[m], atol=1e-5) and torch.allclose(ent[m], full_ent[m], atol=1e-5)
     assert (lp[~m] == 0).all() and (ent[~m] == 0).all()
@@ -211,55 +223,54 @@ def test_masked_logprobs_equal_the_full_forward():
 
 
 def test_spread_picks_evenly():
-    assert train.spread(list(range(10)), 3) == [0, 3, 6]
-    assert train.spread([5, 6], 0) == [5, 6] and train.spread([5, 6], 9) == [5, 6]
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    assert spread([5, 6], 0) == [5, 6] and spread([5, 6], 9) == [5, 6]
 
 
 def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypatch):
     """default_model_path builds the recipe's SFT model into the cache once, records it, and reuses it."""
-    import sft
     recipe = dict(copy_steps=3, tasks=4, noise=0.0, epochs=1, lr=1e-3, batch_size=2)
-    monkeypatch.setitem(sft.WARM_START, "corridor", recipe)
-    path = train.default_model_path("corridor", str(tmp_path))
+    monkeypatch.setitem(warmstart.WARM_START, "corridor", recipe)
+    path = models.default_model_path("corridor", str(tmp_path))
     assert path.endswith("-warm-batch_size2-copy_steps3-epochs1-lr0.001-noise0.0-tasks4")
     info = json.load(open(os.path.join(path, "warm_start.json")))
     assert info["tasks"] == 4 and info["recipe"] == recipe and len(info["sft_loss"]) == 1
     assert len(info["copy_loss"]) == 2  # every 50th step's and the last
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
-    assert train.default_model_path("corridor", str(tmp_path)) == path
+    assert models.default_model_path("corridor", str(tmp_path)) == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp  # reused, not rebuilt
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
     # stage 1 has its own folder, which another SFT recipe reuses
-    copied = train.tiny_model_path("corridor", str(tmp_path)) + "-copy3"
+    copied = models.tiny_model_path("corridor", str(tmp_path)) + "-copy3"
     assert json.load(open(os.path.join(copied, "copy_stage.json")))["copy_loss"] == info["copy_loss"]
     stamp = os.path.getmtime(os.path.join(copied, "config.json"))
-    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "epochs": 2})
-    other = train.default_model_path("corridor", str(tmp_path))
+    monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "epochs": 2})
+    other = models.default_model_path("corridor", str(tmp_path))
     assert other != path and len(json.load(open(os.path.join(other, "warm_start.json")))["sft_loss"]) == 2
     assert os.path.getmtime(os.path.join(copied, "config.json")) == stamp
     with pytest.raises(ValueError, match="after 3 copy steps; the corridor warm start needs 5"):
-        monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "copy_steps": 5})
-        sft.warm_start("corridor", copied, str(tmp_path / "bad"))
+        monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "copy_steps": 5})
+        warmstart.warm_start("corridor", copied, str(tmp_path / "bad"))
     # stage 3, a guessing habit, starts from the stage-2 folder of the same recipe and keeps it
-    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2, "guess_epochs": 1,
+    monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2, "guess_epochs": 1,
                                                      "guess_lr": 1e-3})
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
-    habit = train.default_model_path("corridor", str(tmp_path))
+    habit = models.default_model_path("corridor", str(tmp_path))
     assert habit == path + "-guess-guess0.5-guess_turns2-guess_epochs1-guess_lr0.001"
     info = json.load(open(os.path.join(habit, "guess_stage.json")))
     assert info["base"] == path and info["trajectories"] == 8 and info["guesser_share"] == 0.5
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
     # a stalling habit: the action goes into the folder's name without its spaces, and into the data
-    monkeypatch.setitem(sft.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2,
+    monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2,
                                                      "guess_action": "wait here", "guess_epochs": 1, "guess_lr": 1e-3})
-    stall = train.default_model_path("corridor", str(tmp_path))
+    stall = models.default_model_path("corridor", str(tmp_path))
     assert stall == path + "-guess-guess0.5-guess_turns2-guess_actionwait_here-guess_epochs1-guess_lr0.001"
     assert json.load(open(os.path.join(stall, "guess_stage.json")))["guesser_share"] == 0.5
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
     with pytest.raises(ValueError, match="no warm_start.json"):
-        sft.guess_stage("corridor", copied, str(tmp_path / "bad"))
-    monkeypatch.delitem(sft.WARM_START, "corridor")
-    assert train.default_model_path("corridor", str(tmp_path)) == train.tiny_model_path("corridor", str(tmp_path))
+        warmstart.guess_stage("corridor", copied, str(tmp_path / "bad"))
+    monkeypatch.delitem(warmstart.WARM_START, "corridor")
+    assert models.default_model_path("corridor", str(tmp_path)) == models.tiny_model_path("corridor", str(tmp_path))
 
 
 def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, monkeypatch):

@@ -64,6 +64,18 @@ def test_index_and_run_page_show_curves_and_steps(client):
     assert "<td>0.5</td>" in html  # step 2's success rate, read from metrics.jsonl
 
 
+def test_the_run_page_draws_the_held_out_curve_from_eval_jsonl(tmp_path):
+    run = write_run(tmp_path / "run_e", {1: [trajectory(1, 0, 1.0)]})
+    app = viewer.create_app([str(run)]).test_client()
+    assert "held-out success" not in app.get("/run/0").get_data(as_text=True)  # no eval.jsonl: no curve
+    with open(os.path.join(run, "eval.jsonl"), "w") as f:
+        for step, rate in ((0, 0.1), (1, 0.4)):
+            f.write(json.dumps({"step": step, "success_rate": rate, "tasks": 12, "max_turns": 3}) + "\n")
+    html = app.get("/run/0").get_data(as_text=True)
+    assert html.count("<svg") == 5 and "held-out success (12 test tasks)" in html
+    assert ">0.4<" in html and ">0.1<" in html  # the curve's range, read from eval.jsonl
+
+
 def test_bad_and_hostile_requests_are_4xx_never_500(client):
     for url in ["/run/1", "/run/99999999999999999999", "/run/-1", "/run/x", "/run/0/step/4",
                 "/run/0/step/..%2F..", "/run/0/step/../../etc/passwd", "/run/0/step/1/traj/-1",

@@ -1,4 +1,4 @@
-"""VLLMEngine (rollout.py): the code path against a stand-in `vllm` module on CPU (token ids in, ids and
+"""VLLMEngine (engines.py): the code path against a stand-in `vllm` module on CPU (token ids in, ids and
 tempered log-probs out, the stop token kept, sleep/wake, bucketed in-place weight sync), and against real
 vLLM on a CUDA GPU (sampler log-probs equal the trainer's, a sync changes what is sampled)."""
 
@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-import rollout
-from rollout import HFEngine, Sample, VLLMEngine, make_engine
+import engines
+from engines import HFEngine, Sample, VLLMEngine, make_engine
 
-ROLLOUT_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout.py")
+ENGINES_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engines.py")
 
 
 # ---------------------------------------------------------------- a stand-in for the vllm package
@@ -111,7 +111,7 @@ class FakeVLLM:
                         logits = logits / sp.temperature
                         probs = torch.softmax(logits, -1)
                         if sp.top_p < 1:
-                            probs = rollout._top_p_filter(probs, sp.top_p)
+                            probs = engines._top_p_filter(probs, sp.top_p)
                             logits = torch.where(probs > 0, logits, torch.tensor(-math.inf, dtype=logits.dtype))
                         tok = int(torch.multinomial(probs.float(), 1, generator=gen))
                     else:
@@ -197,7 +197,7 @@ def tempered_logprobs(prompt, sample_ids, temperature):
 # ---------------------------------------------------------------- without vllm
 def test_module_imports_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    spec = importlib.util.spec_from_file_location("rollout_without_vllm", ROLLOUT_PY)
+    spec = importlib.util.spec_from_file_location("engines_without_vllm", ENGINES_PY)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)

@@ -15,7 +15,8 @@ from conftest import ROOT
 from flask import Flask, jsonify, request
 
 import eval as ev
-from env_client import WEBARENA_NO_ACTION, EnvClient, EnvError, EnvPool, _step_from, parse_action, task_splits
+from agents import WEBARENA_NO_ACTION, parse_action
+from env_client import EnvClient, EnvError, EnvPool, _step_from, task_splits
 from env_server.app import serve_wsgi_in_thread
 
 
@@ -159,7 +160,7 @@ def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url, tasks_
 @pytest.mark.parametrize("args,needle", [
     (["--env", "webarena"], "--env-addr"),
     (["--env", "webarena", "--env-addr", "http://127.0.0.1:9"], "--model"),
-    (["--env", "nosuchenv"], "--env 'nosuchenv'"),
+    (["--env", "nosuchenv"], "--env: unknown environment 'nosuchenv'"),
 ])
 def test_train_names_what_webarena_needs(args, needle):
     r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)

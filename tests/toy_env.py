@@ -1,7 +1,15 @@
-"""A tiny deterministic game for testing the generic server: reach `target` by sending "add N"."""
+"""A tiny deterministic game for testing the generic server: reach `target` by sending "add N".
+
+It is also the template for a new environment: an `Env` subclass (env_server/base.py says what each
+method must do) and one `register_env` call that names its class, the instructions that open every
+episode, and the parser that turns a reply into an action (agents.py has the parsers the built-in games
+use). Put the class in env_server/NAME.py and the call in agents.py, next to the others, and
+`python -m env_server NAME`, train.py, eval.py and sft.py all know the game.
+"""
 
 import time
 
+from agents import parse_thought_action, register_env
 from env_server.base import Env, StepResult, TaskError
 
 
@@ -59,3 +67,8 @@ class CounterEnv(Env):
 
     def detail(self):
         return {"target": getattr(self, "target", None), "total": getattr(self, "total", None)}
+
+
+register_env("counter", server=CounterEnv, parse_action=parse_thought_action, instructions=(
+    "Reach the target number. Each turn add a number to the total.\n"
+    "Answer in this format:\nThought: <your reasoning>\nAction: add <number>"))

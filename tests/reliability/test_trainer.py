@@ -11,6 +11,7 @@ import torch
 from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
 
 import checkpoints
+import models
 import train
 
 COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
@@ -101,7 +102,7 @@ def test_deferred_mode_only_records():
 def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = train.default_model_path("corridor", cache_dir)
+    path = models.default_model_path("corridor", cache_dir)
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     opt = torch.optim.AdamW(model.parameters())
     out = str(tmp_path)

@@ -1,0 +1,432 @@
+"""Generation engines: token ids in, sampled ids and their sampler log-probs out.
+
+- HFEngine: batched sampling with a KV cache on any transformers causal LM, CPU or GPU; the trainer's
+  own model generates, so there are no weights to copy after an update.
+- VLLMEngine: vLLM on a GPU, colocated in the training process, weights pushed in place after each
+  update (written against vLLM's documented API; tested against a stand-in module in tests/).
+
+Both return `Sample`s, keep the stop token, and never decode or re-encode text: rollout.py builds the
+training rows from exactly these ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # sampled ids, including the stop token when one was sampled
+    logprobs: list[float]  # sampler log-prob of each sampled id
+    stopped: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on any transformers causal LM (CPU or GPU).
+
+    Log-probs are those of the tempered distribution, log softmax(logits / temperature), before top-p
+    truncation; the trainer computes its log-probs the same way, so the PPO ratio is 1 on-policy.
+
+    Turns share their conversation so far. With `reuse=True`, a prompt that extends one of the previous
+    call's rows (its prompt and sampled ids) starts from that row's keys and values, so each turn only
+    encodes the new observation instead of the whole conversation again. rollout() asks for this and
+    calls `forget()` at the end; the kept cache is also dropped when the weights change in place (an
+    optimizer step bumps the tensors' version counter) or are synced.
+    """
+
+    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True):
+        self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
+        self._kept = None  # the previous call's cache and rows, for reuse=True
+        self.reuse_ok = True  # False once the cache's layout turned out not to be the one _seeded_cache knows
+        self.reused_tokens = self.encoded_tokens = 0  # prompt tokens taken from the kept cache / encoded
+
+    def sync_weights(self, model) -> float:
+        self.model = model  # same process, same object: nothing to copy
+        self.forget()
+        return 0.0
+
+    def forget(self) -> None:
+        """Drop the cache kept for the next turn."""
+        self._kept = None
+
+    def sleep(self) -> None:
+        """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
+        self.forget()
+
+    def wake_up(self) -> None:
+        """See sleep."""
+
+    def _weights_version(self) -> tuple:
+        return tuple(p._version for p in self.model.parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
+        reuse = reuse and self.reuse_ok and self.static_cache
+        kept, self._kept = self._kept, None
+        if not reuse or (kept is not None and kept["version"] != self._weights_version()):
+            kept = None  # not asked for, or the weights changed since: the kept keys and values are stale
+        out, rows = [], []
+        for i in range(0, len(prompts), self.max_batch):
+            got, state = self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
+                                        generator, kept)
+            out += got
+            rows = rows + state if rows is not None and state is not None else None
+        if reuse and rows is not None:
+            self._kept = {"rows": rows, "version": self._weights_version()}
+        return out
+
+    def _static_cache(self, length: int):
+        """transformers' StaticCache of `length` positions, or None (a growing cache) where it fails."""
+        if not self.static_cache:
+            return None
+        try:
+            from transformers import StaticCache
+            return StaticCache(config=self.model.config, max_cache_len=length)
+        except Exception:  # an older transformers or a model it does not support
+            self.static_cache = False
+            return None
+
+    @staticmethod
+    def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
+        """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same order, less
+        the finished ones, so a forward scan finds them."""
+        found, j = [], 0
+        for p in prompts:
+            hit = (-1, 0)
+            for k in range(j, len(rows)):
+                seq, valid = rows[k]["seq"], rows[k]["valid"]
+                n = min(valid, len(p) - 1)  # at least one prompt token is encoded: it yields the logits
+                if n > 0 and p[:n] == seq[:n]:
+                    hit, j = (k, n), k + 1
+                    break
+            found.append(hit)
+        return found
+
+    def _seeded_cache(self, rows: list[dict], hits, starts, length: int, first_slot: int):
+        """A StaticCache of `length` slots holding, for each prompt with a hit, the kept keys and values of
+        its reused tokens at the prompt's own slots; None where the cache's layout is not the one expected
+        (then every prompt is encoded in full)."""
+        try:
+            cache = self._static_cache(length)
+            if cache is None:
+                return None
+            B = len(hits)
+            for layer_i, new_layer in enumerate(cache.layers):
+                for b, (r, n) in enumerate(hits):
+                    if r < 0:
+                        continue
+                    old_layer, src, old_b = rows[r]["cache"].layers[layer_i], rows[r]["start"], rows[r]["b"]
+                    k, v = old_layer.keys, old_layer.values
+                    if not new_layer.is_initialized:
+                        new_layer.lazy_initialization(k[:1].expand(B, -1, -1, -1), v[:1].expand(B, -1, -1, -1))
+                    new_layer.keys[b, :, starts[b]:starts[b] + n] = k[old_b, :, src:src + n]
+                    new_layer.values[b, :, starts[b]:starts[b] + n] = v[old_b, :, src:src + n]
+                if not new_layer.is_initialized:
+                    return None
+                new_layer.cumulative_length.fill_(first_slot)
+            return cache
+        except (AttributeError, TypeError, RuntimeError, IndexError):  # another transformers' cache layout
+            self.reuse_ok = False
+            return None
+
+    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept=None):
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding: every row's next token goes at column L
+            ids[b, L - len(p):] = torch.tensor(p)
+            attn[b, L - len(p):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(stop_ids, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        new_ids, new_lps = [], []
+        starts = [L - len(p) for p in prompts]
+        # Encode columns [first, L): all of them, or only those past the longest reused prefix's end.
+        # A row whose reuse ends earlier re-encodes a few of its kept tokens, to the same keys and values.
+        first, cache = 0, None
+        if kept is not None:
+            hits = self._matches(prompts, kept["rows"])
+            first = L - max(len(p) - n for p, (_, n) in zip(prompts, hits))
+            if first > 0:
+                cache = self._seeded_cache(kept["rows"], hits, starts, L + max_new_tokens, first)
+            if cache is None:
+                first = 0
+        if cache is None:
+            # A cache of fixed size written in place: a growing one is re-concatenated at every token, which
+            # costs more than the model itself once prompts are a few thousand tokens long.
+            cache = self._static_cache(L + max_new_tokens)
+        self.reused_tokens += sum(first - s for s in starts if s < first)
+        self.encoded_tokens += sum(L - max(s, first) for s in starts)
+        step_ids, step_pos, cache_pos = ids[:, first:], pos[:, first:], torch.arange(first, L, device=device)
+        for _ in range(max_new_tokens):
+            kw = {} if cache is None else {"cache_position": cache_pos}
+            o = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
+                      use_cache=True, **kw)
+            cache = o.past_key_values
+            cache_pos = cache_pos[-1:] + 1
+            logits = o.logits[:, -1].float()  # (B, V)
+            if temperature > 0:
+                logits = logits / temperature
+            logp = torch.log_softmax(logits, -1)
+            if temperature <= 0:
+                nxt = logp.argmax(-1)
+            else:
+                probs = logp.exp()
+                if top_p < 1.0:
+                    probs = _top_p_filter(probs, top_p)
+                if generator is not None and generator.device.type != probs.device.type:  # a CPU generator: slower
+                    nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+                else:
+                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            new_ids.append(nxt)
+            new_lps.append(lp)
+            done = done | torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # finished rows: ignored
+            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        model.train(was_training)
+        new_ids_t, new_lps_t = torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
+        stop_set = set(stop_ids)
+        out = []
+        for b in range(B):
+            ids_b, lps_b = [], []
+            for t in range(new_ids_t.shape[1]):
+                tok = int(new_ids_t[b, t])
+                ids_b.append(tok)
+                lps_b.append(float(new_lps_t[b, t]))
+                if tok in stop_set:
+                    break
+            out.append(Sample(ids_b, lps_b, bool(ids_b) and ids_b[-1] in stop_set))
+        rows = None
+        if self.static_cache and cache is not None and hasattr(cache, "layers"):
+            # every id but the last sampled one went through the model: its keys and values are in the cache
+            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": cache, "b": b, "start": starts[b]}
+                    for b, (p, s) in enumerate(zip(prompts, out))]
+        return out, rows
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches top_p (nucleus sampling)."""
+    sorted_p, idx = probs.sort(-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+class VLLMEngine:
+    """Batched sampling with vLLM on a GPU, in the training process, with weights pushed in place.
+
+    The same contract as HFEngine: token ids in (vLLM's `TokensPrompt`), sampled ids and their sampler
+    log-probs out, the stop token kept; no text is decoded or encoded. Written against vLLM 0.33
+    (requirements-gpu.txt); vllm is imported here, never when rollout.py is.
+
+    Log-probs. Each request asks for `logprobs=0`, the log-prob of the sampled token alone, and the engine
+    is built with `logprobs_mode="processed_logprobs"`: values after temperature and top-k/top-p. vLLM's
+    default, "raw_logprobs", is log softmax of the untempered logits, off by the temperature whenever
+    T != 1. With top_p = 1 (the default, and the paper's setting) processed log-probs are
+    log softmax(logits / T), what HFEngine returns and the trainer computes. With top_p < 1 vLLM
+    renormalises over the nucleus, so its values exceed HFEngine's by -log(nucleus mass); `generate`
+    warns. `generation_config="vllm"` keeps the model's generation_config.json (Qwen's top_k=20,
+    repetition_penalty=1.05, ...) out of the sampling, and `ignore_eos=True` with `stop_token_ids`
+    makes the caller's stop ids the only ones, as in HFEngine.
+
+    Seeds. With a `generator`, each call draws one number from it and request i gets seed number + i:
+    reruns from the same generator state sample the same tokens, and the G copies of a prompt in a
+    group still sample differently. Without one, vLLM's engine seed (`seed`) drives sampling.
+
+    In-process weights. `distributed_executor_backend="external_launcher"` is vLLM's executor for engines
+    started by torchrun-like launchers: it turns V1 multiprocessing off, so the engine core and its one
+    worker live in this process (one engine per rank; RANK, WORLD_SIZE, ... are set here when no
+    launcher did). `LLM.apply_model(f)` then runs f on the worker's model with no serialisation, and f
+    calls vLLM's own checkpoint loader, `model.load_weights([(HF name, tensor), ...])`, which maps HF
+    names onto vLLM's fused weights (qkv_proj, gate_up_proj) and skips a tied lm_head. This is the
+    colocate mode of TRL. vLLM's RLHF examples (examples/rl/rlhf_ipc.py, the "ipc" weight-transfer
+    backend) are for an engine in another process (a Ray actor, an HTTP server) and ship CUDA IPC
+    handles of the trainer's tensors; in-process there is nothing to ship.
+
+    Memory. `enable_sleep_mode=True`: `sleep()` (level 1) copies the weights to CPU and frees the KV
+    cache while the trainer updates; `sync_weights` wakes the weights only (the KV cache stays free
+    while gathered buckets are alive) and `generate` wakes the rest. Level 2 would drop the CPU copy,
+    but a level-2 engine holds garbage until every weight is reloaded (vllm-project/vllm#29341), a
+    failure that shows only as bad samples.
+    """
+
+    TAGS = ("kv_cache", "weights")  # vLLM's sleep-mode memory tags
+
+    def __init__(self, model_path: str, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 seed: int = 0, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
+                 bucket_bytes: int = 1 << 30, **llm_kwargs):
+        vllm = self._import_vllm()
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(k, v)  # what torchrun sets; external_launcher reads them
+        if "MASTER_PORT" not in os.environ:
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        self.vllm, self.bucket_bytes = vllm, bucket_bytes
+        self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # None ("auto"): no cast
+        self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
+                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
+                            seed=seed, enable_prefix_caching=True,  # turns share their conversation so far
+                            enable_sleep_mode=True, distributed_executor_backend="external_launcher",
+                            logprobs_mode="processed_logprobs", generation_config="vllm", **llm_kwargs)
+        self._asleep: set[str] = set()
+        self._warned_top_p = False
+
+    @staticmethod
+    def _import_vllm():
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError("--engine vllm needs vLLM, which is not installed here: "
+                              "pip install -r requirements-gpu.txt on a CUDA machine (or use --engine hf)") from e
+        return vllm
+
+    # -------- memory: vLLM sleep mode
+    def sleep(self) -> None:
+        """Free the GPU for the update: weights to CPU, KV cache dropped (vLLM sleep level 1)."""
+        if self._asleep == set(self.TAGS):
+            return
+        if self._asleep:
+            self.wake_up()  # half awake (after a sync): one state before sleeping again
+        self.llm.sleep(level=1)
+        self._asleep = set(self.TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the memory `tags` ("weights", "kv_cache"; default both) that sleeps."""
+        want = set(self._asleep) if tags is None else self._asleep & set(tags)
+        if not want:
+            return
+        if want == set(self.TAGS):
+            self.llm.wake_up()
+        else:  # a partial wake names its tags, as vLLM's docs do for RLHF weight updates
+            self.llm.wake_up(tags=sorted(want))
+        self._asleep -= want
+
+    # -------- generation
+    def forget(self) -> None:
+        """Nothing to drop: vLLM's prefix cache manages itself (HFEngine has the same method)."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
+        """`reuse` is HFEngine's: here vLLM's prefix cache always finds the conversation so far."""
+        if not prompts:
+            return []
+        self.wake_up()
+        greedy = temperature <= 0
+        if not greedy and top_p < 1.0 and not self._warned_top_p:
+            self._warned_top_p = True
+            warnings.warn("VLLMEngine with top_p < 1: vLLM returns log-probs of the renormalised nucleus, larger "
+                          "than the trainer's log softmax(logits / T) by -log(nucleus mass); the PPO ratio is "
+                          "then below 1 on-policy.", stacklevel=2)
+        common = dict(n=1, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
+                      max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
+                      detokenize=False)
+        if generator is None or greedy:
+            params = self.vllm.SamplingParams(**common)
+        else:
+            base = int(torch.randint(0, 2**31 - len(prompts), (1,), generator=generator))
+            params = [self.vllm.SamplingParams(**common, seed=base + i) for i in range(len(prompts))]
+        outs = self.llm.generate([self.vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
+        assert len(outs) == len(prompts), f"vLLM answered {len(outs)} of {len(prompts)} prompts"
+        stop_set = set(stop_ids)
+        samples = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                                   f"{len(ids)} sampled tokens")
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
+            stopped = bool(ids) and ids[-1] in stop_set
+            if c.finish_reason == "stop" and not stopped:
+                raise RuntimeError(f"vLLM stopped on token {ids[-1] if ids else None}, not one of stop_ids "
+                                   f"{sorted(stop_set)}")
+            samples.append(Sample(ids, lps, stopped))
+        return samples
+
+    # -------- weight sync
+    @torch.no_grad()
+    def sync_weights(self, model) -> float:
+        """Copy `model`'s current weights into the engine, in place; returns the seconds it took.
+
+        Call after each optimizer step, on every rank (gathering a sharded tensor is a collective). The
+        state dict is walked in order, each FSDP2 shard (a DTensor) gathered with `full_tensor()`, cast to
+        the engine's dtype, and handed to vLLM's loader in buckets of about `bucket_bytes`: one call per
+        bucket, not per parameter, and at most one bucket of gathered tensors alive. Nothing touches
+        disk. The prefix cache is reset afterwards: its KV was computed by the old weights.
+        """
+        from torch.distributed.tensor import DTensor
+
+        t0 = time.perf_counter()
+        self.wake_up(["weights"])
+        bucket, size = [], 0
+        for name, t in model.state_dict().items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            t = t.detach() if self.dtype is None else t.detach().to(self.dtype)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                self._load(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._load(bucket)
+        if self.llm.reset_prefix_cache() is False:  # older vLLMs return None
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still running?): KV computed with "
+                               "the old weights would be reused")
+        return time.perf_counter() - t0
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        def load(vllm_model):
+            return vllm_model.load_weights(weights)
+
+        self.llm.apply_model(load)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies have run before the caller frees this bucket
+
+
+@contextlib.contextmanager
+def generating(engine, model):
+    """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back to
+    sleep after, leaving the memory to the update; HF generate with the policy's weights gathered
+    (under torchrun each rank generates alone: distributed.gathered)."""
+    from distributed import gathered
+
+    engine.wake_up()
+    try:
+        with gathered(model) if isinstance(engine, HFEngine) else contextlib.nullcontext():
+            yield
+    finally:
+        engine.sleep()
+
+
+def make_engine(kind: str, model, model_path: str, pad_id: int, **vllm_kwargs):
+    """The generation engine for --engine `kind`. "hf": HFEngine sampling with the trainer's own `model`
+    (`vllm_kwargs` are ignored). "vllm": a colocated VLLMEngine loaded from `model_path`, a folder with the
+    same weights as `model` (they are pushed again by `sync_weights` after each update); `vllm_kwargs` go
+    to VLLMEngine (gpu_memory_utilization, max_model_len, seed, ...)."""
+    if kind == "hf":
+        return HFEngine(model, pad_id)
+    if kind == "vllm":
+        return VLLMEngine(model_path, **vllm_kwargs)
+    raise ValueError(f"unknown engine {kind!r}: choose hf or vllm")

@@ -1,0 +1,153 @@
+"""The policy: loading a model and its tokenizer, the critic, token log-probs, FSDP sharding.
+
+Everything that touches the model's weights and is shared by train.py, eval.py, sft.py and the warm
+start lives here; where a model comes from (a folder, a hub name, a built-in name) is models.py.
+
+- `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its eos.
+- `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
+- `Critic`: a value head on a copy of the policy's transformer body (PPO).
+- `token_logprobs`: the trainer's side of the sampler's tempered log-probs, (b, T-1), computing the LM
+  head on the sampled positions only.
+- `shard_model`: FSDP2 sharding under torchrun.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+import algos
+from distributed import world_size
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def pad_id(tokenizer) -> int:
+    """The id padded rows are filled with (attention masks hide it): the tokenizer's pad token, else its
+    eos token."""
+    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pid is None:
+        raise ValueError("the tokenizer has neither a pad nor an eos token to pad rows with")
+    return pid
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float32):
+    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the checkpoint's own)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
+
+
+class Critic(torch.nn.Module):
+    """A value head on a copy of the policy's transformer body: V(prefix) for every position."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path)
+        self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        v = self.head(h.to(self.head.weight.dtype))  # (B, T, 1); a bf16 body may feed an fp32 head
+        return v.squeeze(-1).float().clone()  # (B, T); not a view, which FSDP warns about as a module's output
+
+
+def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False) -> torch.nn.Module:
+    """A model for the trainer: activations recomputed in the backward with `grad_checkpointing`; on the
+    device in float32 (master weights, whatever the checkpoint's dtype: bf16 weights would round most
+    small updates away; FSDP computes in bf16 on CUDA); under torchrun sharded at once, so that no more
+    than one full copy is ever on a GPU."""
+    if grad_checkpointing:
+        (m.body if isinstance(m, Critic) else m).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    m = m.to(device=device, dtype=torch.float32)
+    return shard_model(m, device) if world_size() > 1 else m
+
+
+def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
+    """Log-probs (and entropies) of tokens 1..T-1 given their prefixes: (b, T-1), the trainer's side of
+    the sampler's tempered log-probs.
+
+    With `mask` (b, T-1), only positions where it is 1 are computed (0 elsewhere): the LM head, the
+    largest tensor of a small model's step (b x T x vocab), runs on those hidden states alone. That
+    needs logits == output_embeddings(last hidden state), true of Llama, Qwen, Mistral and Phi; it is
+    checked once per model class against the full forward, which is used where it does not hold."""
+    ids = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if mask is None or not _head_split_ok(model):
+        logits = model(**ids).logits[:, :-1].float()
+        sel = None
+    else:
+        sel = mask > 0
+        logits = _masked_logits_of(model)(sel=sel, **ids).float()  # (n, V): the masked positions only
+    if temperature > 0:
+        logits = logits / temperature
+    targets = mb["input_ids"][:, 1:]
+    lp = algos.logprobs_from_logits(logits, targets if sel is None else targets[sel])
+    ent = algos.entropy_from_logits(logits) if with_entropy else None
+    if sel is not None:  # scatter back to (b, T-1)
+        lp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        if ent is not None:
+            ent = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
+    return lp, ent
+
+
+def masked_logits(model, sel=None, **ids) -> torch.Tensor:
+    """The LM head on the last hidden states of positions 0..T-2 where `sel` (b, T-1) is True: (n, V);
+    on all of them without `sel`: (b, T-1, V). Under FSDP it is bound to the model and registered as a
+    forward method (shard_model), so that the root's weights (embeddings, LM head) are gathered for it
+    as they are for forward()."""
+    h = model.base_model(**ids).last_hidden_state[:, :-1]
+    return model.get_output_embeddings()(h if sel is None else h[sel])
+
+
+def _masked_logits_of(model):
+    return getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
+
+
+_HEAD_SPLIT: dict = {}
+
+
+def _head_split_ok(model) -> bool:
+    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), on a short input."""
+    key = type(model)
+    if key not in _HEAD_SPLIT:
+        try:
+            with torch.no_grad():
+                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
+                full = model(input_ids=x).logits[:, :-1]
+                split = _masked_logits_of(model)(input_ids=x)
+            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=1e-4, rtol=1e-3))
+        except Exception:  # no base_model / output embeddings in the usual places
+            _HEAD_SPLIT[key] = False
+    return _HEAD_SPLIT[key]
+
+
+def shard_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it runs
+    and freed after it (and again in the backward), then the root (embeddings, final norm, LM head or
+    value head), which keeps its weights from the forward to the backward. On CUDA the units compute in
+    bf16 from fp32 master shards and reduce gradients in fp32; on CPU everything is fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
+          else MixedPrecisionPolicy())
+    layer_classes = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
+    for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    if hasattr(module, "get_output_embeddings") and module.get_output_embeddings() is not None:
+        module.masked_logits = types.MethodType(masked_logits, module)
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if hasattr(module, "masked_logits"):
+        register_fsdp_forward_method(module, "masked_logits")
+    return module

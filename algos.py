@@ -19,8 +19,9 @@ its inputs.
 Where this file departs from the papers and from upstream (AgentGym-RL on verl), and why:
 1. Multi-turn credit. GAE and REINFORCE++ run over the sampled tokens of a row only, in order:
    observation tokens neither receive a return, nor cut or discount the chain, nor supply a bootstrap
-   value. Upstream REINFORCE++ reset the running return at every unsampled token (meant for the
-   padding after EOS), which in a multi-turn row cuts credit at each observation turn.
+   value. verl's REINFORCE++ (the library AgentGym-RL trains with) resets the running return at every
+   token outside its mask, meant for the padding after EOS; on a multi-turn row that would cut credit
+   at each observation turn. (AgentGym-RL's own loss of credit is departure 2's.)
 2. The outcome reward sits on the row's last *sampled* token (`token_rewards_from_outcome`). Upstream
    put it on the last token of the row, an observation token, so GAE/REINFORCE++ lost it. The two
    estimators assert that no reward sits on an unsampled token instead of dropping it silently.
@@ -89,6 +90,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 # -------------------------------------------------------------------------- outcome advantages (B,)
+def _finite(scores, name: str = "scores") -> torch.Tensor:
+    """The scores as float32, refused when one is NaN or infinite: one such value would turn every
+    advantage of its group (GRPO, RLOO) or the whole batch (whitening) into NaN."""
+    s = _f32(scores)
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()[:5]
+        raise ValueError(f"{name} must be finite; rows {rows} hold {s[bad][:5].tolist()} (an env that returns "
+                         "NaN or infinity: env_client refuses such step answers as env errors)")
+    return s
+
+
 def _group_index(group_ids: torch.Tensor):
     """Map arbitrary group ids (B,) to 0..n_groups-1; returns (index (B,), group size per row (B,))."""
     _, index, counts = torch.unique(torch.as_tensor(group_ids), return_inverse=True, return_counts=True)
@@ -107,7 +120,7 @@ def grpo_advantages(scores, group_ids, eps: float = 1e-6, norm_std: bool = True)
     norm_std=False only subtracts the mean (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
     Training"). A group of one uses mean 0 and std 1, as upstream (departure 4). A group whose scores
     are all equal gets advantage 0. scores (B,), group_ids (B,) -> (B,)."""
-    s = _f32(scores)
+    s = _finite(scores)
     index, n = _group_index(group_ids)
     mean = _group_mean(s, index, n)
     sq_dev = _group_mean((s - mean) ** 2, index, n) * n  # sum over the group of squared deviations
@@ -123,7 +136,7 @@ def rloo_advantages(scores, group_ids) -> torch.Tensor:
     2024, "Back to Basics"): each sample's baseline is the mean of the other G - 1 samples of its group,
         A_i = s_i - 1/(G-1) sum_{j != i} s_j = G/(G-1) (s_i - mean_g(s)).
     A group of one has no other sample: its advantage is 0 (departure 3). scores (B,) -> (B,)."""
-    s = _f32(scores)
+    s = _finite(scores)
     index, n = _group_index(group_ids)
     adv = n / (n - 1).clamp(min=1) * (s - _group_mean(s, index, n))
     return torch.where(n < 2, 0.0, adv)
@@ -139,7 +152,7 @@ def token_rewards_from_outcome(rewards, loss_mask: torch.Tensor) -> torch.Tensor
     out = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
     has_token = last >= 0
     rows = torch.arange(m.shape[0], device=m.device)[has_token]
-    out[rows, last[has_token]] = _f32(rewards).to(m.device)[has_token]
+    out[rows, last[has_token]] = _finite(rewards, "rewards").to(m.device)[has_token]
     return out
 
 
@@ -389,8 +402,11 @@ def kl_penalty(logprobs, ref_logprobs, kind: str = "k3", clamp: float | None = 1
         k1 ("kl"):                d                      unbiased, high variance, can be negative
         k2 ("mse"):               0.5 d^2                biased, low variance
         k3 ("low_var_kl"):        exp(-d) + d - 1        unbiased, low variance, >= 0
-    k3 is clamped to [-clamp, clamp] (upstream: 10) and its log-ratio to +-20 before exp (departure 7);
-    clamp=None disables the former. Masking is left to the caller (agg_loss). (B, T) -> (B, T)."""
+    As a loss term (the tokens sampled from pi, their log-probs differentiated), k1's gradient is
+    grad log pi, whose expectation under pi is zero: k1 estimates the KL's value but pulls nothing toward
+    the reference on average; k2 and k3 do. k3 is clamped to [-clamp, clamp] (upstream: 10) and its
+    log-ratio to +-20 before exp (departure 7); clamp=None disables the former. Masking is left to the
+    caller (agg_loss). (B, T) -> (B, T)."""
     d = logprobs.float() - _f32(ref_logprobs)
     if kind in ("k1", "kl"):
         return d

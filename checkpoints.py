@@ -46,18 +46,25 @@ def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dic
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        _fsync(out)  # the renames themselves on disk: the folder's entries are data too
         shutil.rmtree(old, ignore_errors=True)
     barrier()
 
 
 def _fsync_tree(folder: str) -> None:
+    """Every file and folder of the tree on disk (a folder's fsync makes its entries durable)."""
     for root, _, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
@@ -66,15 +73,27 @@ def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
     from ckpt/model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    st = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     full = StateDictOptions(full_state_dict=True)  # each rank cuts its shards out of the full tensors
-    big = torch.load(os.path.join(ckpt, "optim.pt"), mmap=True, weights_only=True)  # mmap: read, not copied
+    st = load_data(os.path.join(ckpt, "trainer_state.pt"))
+    big = load_data(os.path.join(ckpt, "optim.pt"), mmap=True)  # mmap: read, not copied
     owners = {"policy": model, "critic": critic}
     for k, o in optims.items():
         set_optimizer_state_dict(owners[k], o, big["optims"][k], options=full)
     if critic is not None:
         set_model_state_dict(critic, big["critic"], options=full)
     return st
+
+
+def load_data(path: str, **kw):
+    """torch.load of plain data only (tensors, numbers, strings, lists, dicts): a pickle that would build
+    any other object, and so could run code, is refused with a ValueError that names the file."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could run code): "
+                         f"{str(e).splitlines()[0]}") from None
 
 
 def find_checkpoint(out: str) -> str | None:

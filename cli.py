@@ -152,13 +152,20 @@ def resolve_device(name: str):
 
 
 def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "train", given: bool = True) -> dict:
-    """env_client.task_splits, or a one-line exit: no server at the address, or a bad --tasks-file."""
+    """env_client.task_splits, or a one-line exit: no server at the address, a bad --tasks-file, or (for
+    training) task ids in both the training and the test split."""
     from env_client import EnvError, task_splits
 
     try:
-        return task_splits(url, env, tasks_file, list_split=list_split)
+        tasks = task_splits(url, env, tasks_file, list_split=list_split)
     except ValueError as e:
         sys.exit(str(e))
     except EnvError as e:
         where = f"--env-addr {url}" if given else f"the local {env} server at {url}"
         sys.exit(f"{where}: no env server answers there ({e.message})")
+    shared = sorted(set(tasks["splits"].get("train", [])) & set(tasks["splits"].get("test", [])))
+    if list_split == "train" and shared:  # held-out numbers would measure memory, not generalisation
+        sys.exit(f"{'--tasks-file ' + tasks_file if tasks_file else url}: {len(shared)} task ids are in both the "
+                 f"training and the test split (first: {shared[:5]}); give disjoint splits (a bare list in "
+                 "--tasks-file is the training split, beside the server's test split)")
+    return tasks

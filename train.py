@@ -243,7 +243,10 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
 def resume(run: Run, ckpt: str) -> None:
     """The checkpoint's optimizer, critic, schedule and random states into `run`; logs past it are cut."""
     cfg, rank, world = run.cfg, global_rank(), world_size()
-    st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
+    try:
+        st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
+    except ValueError as e:
+        sys.exit(f"--resume: {e}")
     run.schedule.load_state_dict(st["schedule"])
     run.data_rng.setstate(st["data_rng"])
     rngs = st["rank_rngs"]

@@ -35,6 +35,7 @@ from markupsafe import Markup, escape
 from werkzeug.exceptions import HTTPException
 
 PAGE_SIZE = 50
+MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("turns_mean", "turns"),
           ("max_turns", "horizon K")]
@@ -50,19 +51,24 @@ def step_files(run_dir: str) -> dict[int, str]:
     folder = os.path.join(run_dir, "rollouts")
     if not os.path.isdir(folder):
         return {}
-    out, root = {}, os.path.realpath(run_dir) + os.sep
+    out = {}
     for name in os.listdir(folder):
         m = STEP_FILE.match(name)
-        if m and os.path.realpath(os.path.join(folder, name)).startswith(root):
+        if m and inside(run_dir, os.path.join(folder, name)):
             out[int(m.group(1))] = os.path.join(folder, name)
     return dict(sorted(out.items()))
 
 
+def inside(run_dir: str, path: str) -> bool:
+    """Whether `path`, links resolved, is in the run folder: the viewer follows no link out of it."""
+    return os.path.realpath(path).startswith(os.path.realpath(run_dir) + os.sep)
+
+
 def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
-    """metrics.jsonl (or eval.jsonl, the held-out evaluations) rows sorted by step; [] when absent. One
-    small line per step: read on every request."""
+    """metrics.jsonl (or eval.jsonl, the held-out evaluations) rows sorted by step; [] when absent or a
+    link out of the run folder. One small line per step: read on every request."""
     path = os.path.join(run_dir, name)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or not inside(run_dir, path):
         return []
     rows = []
     with open(path) as f:
@@ -116,7 +122,7 @@ def load_tokenizer(run_dir: str, override: str | None):
     candidates = [override] if override else []
     candidates.append(os.path.join(run_dir, "checkpoint", "model"))
     cfg_path = os.path.join(run_dir, "config.json")
-    if os.path.isfile(cfg_path):
+    if os.path.isfile(cfg_path) and inside(run_dir, cfg_path):
         with open(cfg_path) as f:
             try:
                 model = json.load(f).get("model")
@@ -283,7 +289,7 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None) -> Flask:
         return files[s]
 
     def trajectory(r: int, s: int, n: int) -> dict:
-        line = read_line(step_path(r, s), n) if n >= 1 else None
+        line = read_line(step_path(r, s), n) if 1 <= n <= MAX_LINE else None
         if line is None or not line.strip():
             abort(404, f"run {r} step {s} has no trajectory on line {n}")
         try:

@@ -123,8 +123,11 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     run = SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=0, device=torch.device("cpu"))
     stats = train.update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank: whole tensors
-    return stats, torch.cat([v.detach().float().flatten() for _, v in sorted(full.items())])
+
+    def flat(m):  # every rank: whole tensors
+        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        return torch.cat([v.detach().float().flatten() for _, v in sorted(full.items())])
+    return stats, flat(model), None if critic is None else flat(critic)
 
 
 def _rank_main(rank: int, world: int, tmp: str) -> None:
@@ -134,11 +137,11 @@ def _rank_main(rank: int, world: int, tmp: str) -> None:
     results = []
     for flags, split, _ in CASES:
         mine = trajs[:split] if rank == 0 else trajs[split:]
-        stats, params = run_update(flags, os.path.join(tmp, "model"), mine, sharded=True)
+        stats, params, critic = run_update(flags, os.path.join(tmp, "model"), mine, sharded=True)
         every = [None] * world
-        torch.distributed.all_gather_object(every, params)
-        assert all(torch.equal(p, params) for p in every), f"ranks hold different weights after {flags}"
-        results.append((stats, params))
+        torch.distributed.all_gather_object(every, (params, critic))
+        assert all(torch.equal(p, params) for p, _ in every), f"ranks hold different weights after {flags}"
+        results.append((stats, params, critic))
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
     torch.distributed.destroy_process_group()
@@ -146,7 +149,7 @@ def _rank_main(rank: int, world: int, tmp: str) -> None:
 
 def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
     """The same fixed trajectories, split over two gloo ranks with FSDP2, give the one-process loss and
-    weights: all aggregation modes, micro-batches, global whitening, critic, reference KL, TIS, a rank
+    weights (the critic's too): all aggregation modes, micro-batches, global whitening, critic, reference KL, TIS, a rank
     without trajectories, activation checkpointing. Both ranks end with identical weights, also when
     their mini-batch counts differ."""
     from tiny_model import build_model
@@ -158,12 +161,14 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
     torch.multiprocessing.spawn(_rank_main, args=(2, str(tmp_path)), nprocs=2, join=True)
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     before = torch.cat([v.float().flatten() for _, v in sorted(model.state_dict().items())])
-    for (flags, _, comparable), (stats, params) in zip(CASES, results):
+    for (flags, _, comparable), (stats, params, critic) in zip(CASES, results):
         assert (params - before).abs().max() > 1e-4, flags  # the update did something
         if not comparable:
             continue
-        one_stats, one_params = run_update(flags, tmp_path / "model", trajs, sharded=False)
+        one_stats, one_params, one_critic = run_update(flags, tmp_path / "model", trajs, sharded=False)
         assert torch.allclose(params, one_params, atol=2e-5, rtol=1e-4), (flags, (params - one_params).abs().max())
+        if critic is not None:  # the critic's loss is weighted across micro-batches and ranks like the policy's
+            assert torch.allclose(critic, one_critic, atol=2e-5, rtol=1e-4), (flags, (critic - one_critic).abs().max())
         for k in ("loss", "entropy", "kl", "grad_norm", "logprob_diff", "logprob_kl", "train_tokens") + \
                 (("value_loss",) if "ppo" in flags else ()):
             assert stats[k] == pytest.approx(one_stats[k], rel=1e-4, abs=1e-6), (flags, k)

@@ -500,13 +500,13 @@ def main(cfg: Config) -> dict:
             with open(os.path.join(cfg.out, "config.json"), "w") as f:
                 json.dump(dataclasses.asdict(cfg), f, indent=2)
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""), flush=True)
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
         if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
             if rank == 0:
                 torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
                 default_model_path(cfg.env, cfg.cache_dir)
             barrier()
+        random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
+        torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
         torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: see distributed.py
         with serving(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
             run = setup(cfg, url, server, device, ckpt)

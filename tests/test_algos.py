@@ -363,3 +363,18 @@ def test_inputs_not_modified():
     algos.masked_whiten(v, m)
     algos.agg_loss(v, m, "token_mean")
     assert all(torch.equal(a, b) for a, b in zip([r, v, m], copies))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_scores_are_refused_not_spread(bad):
+    """One NaN would make every GRPO advantage of its group NaN (and every token of a whitened batch)."""
+    scores, groups = torch.tensor([1.0, bad, 0.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    for fn in (algos.grpo_advantages, algos.rloo_advantages):
+        with pytest.raises(ValueError, match=r"scores must be finite; rows \[1\]"):
+            fn(scores, groups)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        algos.token_rewards_from_outcome(scores, torch.ones(4, 3))
+    x = algos.AdvantageInputs(scores, groups, torch.ones(4, 3), torch.zeros(4, 3))
+    for name in algos.ESTIMATORS:
+        with pytest.raises(ValueError, match="must be finite"):
+            algos.estimator(name).fn(x)

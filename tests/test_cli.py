@@ -143,3 +143,14 @@ def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir):
     bad.write_text(json.dumps({"env": "corridor", "learning_rate": 1}))
     r = run(["train.py", "--config", str(bad)])
     one_line_error(r, "fields this script does not have: learning_rate")
+
+
+def test_train_and_test_ids_may_not_overlap(tmp_path):
+    """A --tasks-file training list that shares ids with the server's test split is refused: held-out
+    numbers on tasks the policy trained on measure memory, not generalisation."""
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([0, 1, 50, 51]))  # corridor's test split is 48-59
+    r = run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")])
+    one_line_error(r, f"--tasks-file {ids}: 2 task ids are in both the training and the test split (first: [50, 51])")
+    ids.write_text(json.dumps({"train": [0, 1, 2], "test": [2, 48]}))
+    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids)]), "1 task ids are in both")

@@ -145,3 +145,17 @@ def test_cli_errors_name_the_flag():
     assert out.returncode == 2 and "invalid choice: 'nosuchenv'" in out.stderr
     out = subprocess.run(run + ["textcraft", "--recipes", "/no/such/dir"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "/no/such/dir" in out.stderr
+
+
+def test_corridor_test_games_are_not_training_games():
+    """Held-out Corridor tasks are other games (distances 4-5) than any training task (1-3)."""
+    from env_server.corridor import CorridorEnv
+
+    env, splits = CorridorEnv(None), CorridorEnv.splits(None)
+
+    def game(i):
+        env.reset(i)
+        return env.goal
+
+    assert not {game(i) for i in splits["test"]} & {game(i) for i in splits["train"]}
+    assert {abs(game(i)) for i in splits["test"]} == {4, 5} and {abs(game(i)) for i in splits["train"]} == {1, 2, 3}

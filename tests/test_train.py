@@ -49,7 +49,7 @@ def metrics(out_dir):
 @pytest.mark.parametrize("algo,extra", [
     ("grpo", ["--kl-coef", "0.01", "--entropy-coef", "0.001"]),
     ("rloo", ["--ppo-epochs", "2", "--mini-batch-size", "2"]),
-    ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean"]),
+    ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean", "--temperature", "0.7"]),  # tempered log-probs
     ("ppo", ["--lam", "0.95", "--dual-clip", "3", "--lr-decay", "cosine"]),
 ])
 def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):

@@ -109,3 +109,63 @@ def test_viewer_serves_nothing_outside_its_run_folders(tmp_path):
         r = c.get(url)
         assert r.status_code == 404 and b"TOP SECRET" not in r.data, url
     assert b"TOP SECRET" not in c.get("/run/0").data
+
+
+def test_viewer_follows_no_metrics_or_config_link_out_of_the_run(tmp_path):
+    """metrics.jsonl, eval.jsonl and config.json linked out of the run folder are not read (the curves
+    and step table would show another folder's numbers; config.json names the tokenizer to load)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.12345, "max_turns": 3}) + "\n")
+    (outside / "eval.jsonl").write_text(json.dumps({"step": 0, "success_rate": 0.6789, "tasks": 3}) + "\n")
+    (outside / "config.json").write_text(json.dumps({"model": "/secret/model"}))
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    for name in ("metrics.jsonl", "eval.jsonl", "config.json"):
+        os.symlink(outside / name, run / name)
+    assert viewer.read_metrics(str(run)) == [] and viewer.read_metrics(str(run), "eval.jsonl") == []
+    html = viewer.create_app([str(run)]).test_client().get("/run/0").get_data(as_text=True)
+    assert "0.12345" not in html and "0.6789" not in html and "held-out success" not in html
+    assert "/secret/model" not in viewer.load_tokenizer(str(run), None)[1]
+
+
+def test_viewer_answers_huge_numbers_with_404_not_500(tmp_path):
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "rollouts" / "step_000001.jsonl").write_text(json.dumps({"messages": []}) + "\n")
+    c = viewer.create_app([str(run)]).test_client()
+    for url in ["/run/0/step/1/traj/99999999999999999999", "/run/0/step/1/compare?a=1&b=99999999999999999999",
+                "/run/0/step/99999999999999999999", "/run/0/step/1?page=99999999999999999999"]:
+        assert c.get(url).status_code == 404, url
+
+
+class RunsCode:
+    """A pickle that would create a file when unpickled: a crafted trainer_state.pt."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_never_unpickles_code(tmp_path):
+    import torch
+
+    import checkpoints
+
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "1", "--schedule", "2",
+                        "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+                        "--eval-every", "0", "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = out / "checkpoint" / "trainer_state.pt"
+    assert checkpoints.load_data(str(state))["step"] == 1  # the real file is plain data
+    torch.save({"step": 1, "payload": RunsCode(str(marker))}, state)
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "2", "--schedule", "2",
+                        "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+                        "--eval-every", "0", "--out", str(out), "--resume", "--cache-dir", str(tmp_path / "cache")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "holds more than plain data" in r.stderr and "Traceback" not in r.stderr
+    assert not marker.exists()  # the payload never ran

@@ -148,3 +148,33 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
     save(4)  # the next good save cleans up
     assert step_of(checkpoints.find_checkpoint(out)) == 4
     assert sorted(os.listdir(out)) == ["checkpoint"]
+
+
+def test_the_checkpoint_renames_are_made_durable(tmp_path, cache_dir, monkeypatch):
+    """After the swap the run folder itself is fsynced (its entries are what the renames changed), and so
+    is every file and folder of the new checkpoint before it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = models.default_model_path("corridor", cache_dir)
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    out = str(tmp_path)
+    events, opened = [], {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def record_open(p, *a, **kw):
+        fd = real_open(p, *a, **kw)
+        opened[fd] = os.path.abspath(p)
+        return fd
+
+    monkeypatch.setattr(os, "open", record_open)
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.abspath(b))), real_replace(a, b))[1])
+    for step in (1, 2):
+        events.clear()
+        checkpoints.save_checkpoint(out, model, tok, None, {"policy": torch.optim.AdamW(model.parameters())},
+                                    {"step": step})
+        swap = events.index(("replace", os.path.join(out, "checkpoint")))
+        assert ("fsync", os.path.abspath(out)) in events[swap + 1:], events[swap:]
+        synced = {p for kind, p in events[:swap] if kind == "fsync"}
+        tmp = os.path.join(out, "checkpoint.tmp")
+        assert {tmp, os.path.join(tmp, "model"), os.path.join(tmp, "optim.pt")} <= synced

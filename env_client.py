@@ -11,15 +11,21 @@ Drives this project's servers and AgentGym's own (FastAPI) servers alike:
 
 Every failure (timeout, refused connection, HTTP error, error body, malformed answer) raises or returns
 an `EnvError`, never a reward of 0: the rollout counts such trajectories and drops them from the loss.
+A reward, score or done that is not a finite number or a bool (NaN, "false") is such a malformed answer.
 Retries happen only where repeating the call cannot change the game (create, reset, reads, close);
-`step` is sent exactly once. An `EnvPool` replaces instances lost with their server (killed, restarted,
-hung) at the next reset, so training picks up again as soon as the server is back.
+`step` is sent at most once, and never on a connection the server may have closed. The timeout bounds
+each call as a whole, however slowly the server sends. An `EnvPool` replaces instances lost with their
+server (killed, restarted, hung) at the next reset, so training picks up again as soon as the server is back.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import json
+import math
+import select
 import socket
 import threading
 import time
@@ -53,19 +59,65 @@ class Step:
 
 
 # ---------------------------------------------------------------- HTTP with keep-alive
-class Transport:
-    """JSON over HTTP/1.1 keep-alive to one server: one connection per thread, reopened when stale."""
+def _time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:  # (a socket timeout of 0 would mean non-blocking, not "no time left")
+        raise TimeoutError("deadline passed")
+    return left
 
-    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2, max_idle_s: float = 60.0):
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read waiting only for the time left before the call's deadline. A socket
+    timeout alone bounds each read: a server trickling its answer a byte at a time would never be cut off."""
+
+    def __init__(self, sock, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        self.sock.settimeout(_time_left(self.deadline))
+        return self.sock.recv_into(b)
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An HTTPResponse that reads its status line, headers and body through a _DeadlineReader."""
+
+    def __init__(self, sock, *args, deadline: float, **kw):
+        super().__init__(sock, *args, **kw)
+        self.fp.close()  # the plain reader made by the base class; nothing was read from it yet
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
+
+
+def _closed_by_peer(sock) -> bool:
+    """Whether a kept connection is unfit to send on, checked without waiting: between calls the server
+    sends nothing, so a readable socket means it closed (EOF), reset it, or sent bytes nobody asked for."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class Transport:
+    """JSON over HTTP/1.1 keep-alive to one server: one connection per thread, reopened when stale.
+
+    A `step` is never retried: the server may have applied it before the failure, and sending it again
+    would play the action twice. So it must not be lost to a stale connection instead: servers close
+    keep-alive connections left idle (uvicorn, which runs AgentGym's servers, after 5 s; gunicorn after
+    2 s), and a request sent on one they closed fails. A kept connection is reused only while it has been
+    idle for under `max_idle_s`, well inside those timeouts, and only if a zero-wait poll shows that the
+    server has not closed it anyway (restarted, or a shorter timeout); otherwise the call opens a fresh
+    one, at the cost of one TCP handshake.
+    """
+
+    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2, max_idle_s: float = 1.0):
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
         self.base_url = f"{u.scheme}://{u.netloc}"
         self.host, self.port, self.https = u.hostname, u.port, u.scheme == "https"
         self.prefix = u.path.rstrip("/")
-        self.timeout, self.retries = timeout, retries
-        # Reopen connections idle for longer than this, well before the server's own idle timeout
-        # closes them, so that a `step` never goes out on a connection the server already dropped.
+        self.timeout, self.retries = timeout, retries  # timeout: for each attempt of a call, as a whole
         self.max_idle_s = max_idle_s
         self._local = threading.local()
         self._all: set = set()  # every open connection, so that close() reaches other threads' too
@@ -73,7 +125,8 @@ class Transport:
 
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
-        if c is not None and time.monotonic() - self._local.used > self.max_idle_s:
+        if c is not None and (time.monotonic() - self._local.used > self.max_idle_s
+                              or c.sock is not None and _closed_by_peer(c.sock)):
             self._drop()
             c = None
         if c is None:
@@ -98,24 +151,35 @@ class Transport:
         for c in conns:
             c.close()
 
+    def _send(self, method: str, path: str, body, headers: dict, deadline: float):
+        """One attempt: connect (where needed), send, and read the whole answer by `deadline`."""
+        conn = self._conn()
+        if conn.sock is None:
+            conn.timeout = _time_left(deadline)
+            conn.connect()
+        conn.sock.settimeout(_time_left(deadline))  # sendall's timeout covers all of the request
+        conn.response_class = functools.partial(_DeadlineResponse, deadline=deadline)  # this attempt's
+        conn.request(method, self.prefix + path, body, headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        self._local.used = time.monotonic()
+        if resp.getheader("Connection", "").lower() == "close":
+            self._drop()
+        return resp.status, data
+
     def request(self, method: str, path: str, payload=None, retry: bool = False):
-        """Send one request; return the decoded JSON answer or raise EnvError."""
+        """Send one request; return the decoded JSON answer or raise EnvError. Each attempt has
+        `timeout` seconds in all; `retry` (never for a step) allows `retries` more after a failure."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             try:
-                conn = self._conn()
-                conn.request(method, self.prefix + path, body, headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self._local.used = time.monotonic()
-                if resp.getheader("Connection", "").lower() == "close":
-                    self._drop()
-                status = resp.status
+                status, data = self._send(method, path, body, headers, time.monotonic() + self.timeout)
             except (socket.timeout, TimeoutError) as e:
-                self._drop()
-                err = EnvError("timeout", f"{method} {path}: no answer within {self.timeout:g} s ({e})")
+                self._drop()  # an answer may still be on its way: that connection is out of step
+                err = EnvError("timeout", f"{method} {path}: no complete answer within the {self.timeout:g} s "
+                                          f"deadline ({e})")
             except (OSError, http.client.HTTPException) as e:
                 self._drop()
                 err = EnvError("connection", f"{method} {path} to {self.base_url}: {type(e).__name__}: {e}")
@@ -140,18 +204,39 @@ def _decode(method: str, path: str, status: int, data: bytes):
     return out
 
 
+def _number(raw: dict, key: str) -> float:
+    """raw[key] as a finite float. json.loads reads NaN and Infinity, and a bool is an int to Python:
+    neither is a reward to train on."""
+    v = raw[key]
+    try:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    except OverflowError:  # an int too large for a float
+        pass
+    raise EnvError("protocol", f"step answer with {key}={v!r}: not a finite number")
+
+
+def _flag(raw: dict, key: str) -> bool:
+    """raw[key] as a bool; the ints 0 and 1 pass too (some servers send them). bool("false") is True, so
+    anything else is a malformed answer rather than a guess."""
+    v = raw.get(key, False)
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise EnvError("protocol", f"step answer with {key}={v!r}: not a bool")
+
+
 def _step_from(raw) -> Step:
     if not isinstance(raw, dict) or "observation" not in raw:
         raise EnvError("protocol", f"step answer without an observation: {str(raw)[:200]}")
+    values = {k: _number(raw, k) for k in ("score", "reward") if k in raw}  # both checked, whichever counts
     if "done" in raw:
-        done = bool(raw["done"])
-        value = raw.get("score", raw.get("reward", 0.0))
+        done = _flag(raw, "done")
+        value = values.get("score", values.get("reward", 0.0))
     else:  # WebArena: terminated/truncated; the evaluator's reward counts once terminated, as upstream
-        done = bool(raw.get("terminated", False) or raw.get("truncated", False))
-        value = raw.get("reward", 0.0) if raw.get("terminated") else 0.0
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise EnvError("protocol", f"step answer with a non-numeric reward: {value!r}")
-    return Step(str(raw["observation"]), float(value), done, raw)
+        terminated, truncated = _flag(raw, "terminated"), _flag(raw, "truncated")
+        done = terminated or truncated
+        value = values.get("reward", 0.0) if terminated else 0.0
+    return Step(str(raw["observation"]), value, done, raw)
 
 
 def _obs_from(raw) -> str:

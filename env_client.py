@@ -14,8 +14,11 @@ an `EnvError`, never a reward of 0: the rollout counts such trajectories and dro
 A reward, score or done that is not a finite number or a bool (NaN, "false") is such a malformed answer.
 Retries happen only where repeating the call cannot change the game (create, reset, reads, close);
 `step` is sent at most once, and never on a connection the server may have closed. The timeout bounds
-each call as a whole, however slowly the server sends. An `EnvPool` replaces instances lost with their
-server (killed, restarted, hung) at the next reset, so training picks up again as soon as the server is back.
+each call as a whole, however slowly the server sends. A create carries a `request_key` of its own, the
+same on each retry, so that a server that made the instance but whose answer was lost gives that
+instance again instead of a second one (AgentGym's servers ignore the field). An `EnvPool` replaces
+instances lost with their server (killed, restarted, hung) at the next reset, so training picks up
+again as soon as the server is back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -254,7 +258,7 @@ class EnvClient:
 
     def __init__(self, base_url: str | Transport, timeout: float = 120.0, retries: int = 2):
         self.http = base_url if isinstance(base_url, Transport) else Transport(base_url, timeout, retries)
-        created = self.http.request("POST", "/create", {}, retry=True)
+        created = self.http.request("POST", "/create", {"request_key": str(uuid.uuid4())}, retry=True)
         self.id_key, self.id = _read_id(created)
         # AgentGym's WebArena server (`{"env_idx"}` from /create) answers /reset with the bare page tree;
         # the agent's observation (objective, URL, tree, previous action) is what /observation renders.

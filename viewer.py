@@ -34,6 +34,8 @@ from flask import Flask, abort, jsonify, render_template_string, request
 from markupsafe import Markup, escape
 from werkzeug.exceptions import HTTPException
 
+from env_server.app import guard, make_server
+
 PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
@@ -270,12 +272,14 @@ def turn_messages(t: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # The app.
 
-def create_app(run_dirs: list[str], tokenizer: str | None = None) -> Flask:
+def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "127.0.0.1") -> Flask:
+    """The viewer of `run_dirs`, to be bound to `host`: on loopback it answers no other site's page and
+    no DNS-rebinding page (env_server.app.guard)."""
     runs = [os.path.abspath(d) for d in run_dirs]
     for d in runs:
         if not os.path.isdir(d):
             raise ValueError(f"{d}: not a folder")
-    app = Flask(__name__)
+    app = guard(Flask(__name__), host)
 
     def run_dir(r: int) -> str:
         if not 0 <= r < len(runs):
@@ -424,15 +428,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders written by train.py --out")
     p.add_argument("--port", type=int, default=8008, help="port to serve on")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the logs to the network)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0 exposes the logs to anyone who reaches the port: no authentication)")
     p.add_argument("--tokenizer", default=None, help="HF folder or hub name whose tokenizer decodes the token view")
     a = p.parse_args(argv)
     try:
-        app = create_app(a.runs, a.tokenizer)
+        app = create_app(a.runs, a.tokenizer, a.host)
     except ValueError as e:
         p.error(str(e))
-    from env_server.app import make_server
-
     server = make_server(app, a.host, a.port, ident="viewer")
     print(f"serving {len(a.runs)} run(s) on http://{a.host}:{server.effective_port}", flush=True)
     server.run()

@@ -1,6 +1,6 @@
 """One generic Flask app for every environment, speaking the AgentGym HTTP protocol.
 
-    POST /create {"data_idx"?}          -> {"id", "observation", "reward", "done"}
+    POST /create {"data_idx"?, "request_key"?} -> {"id", "observation", "reward", "done"}
     POST /reset  {"id", "data_idx"}      -> {"id", "observation", "reward", "score", "done"}
     POST /step   {"id", "action"}        -> {"observation", "reward", "score", "done", "info"}
     GET  /observation?id=                -> "text"
@@ -14,7 +14,10 @@
 
 AgentGym's clients read these shapes, so they drive this server unchanged. `env_idx` is accepted as an
 alias of `id` (AgentGym's SearchQA and WebArena servers use it). Unlike AgentGym, a caller's mistake is a
-4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never dies.
+4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never dies. A
+create that carries a `request_key` (a string of the client's choosing, at most 200 characters) answers
+the same id for the same key while that instance lives: a client that retries a create whose answer it
+lost gets the instance it made, not a second one holding a slot until the reaper comes.
 
 Instances are kept in a dict under one lock; each has its own lock so that two requests for the same
 instance never interleave, while requests for different instances run in parallel. Instances idle for
@@ -22,11 +25,15 @@ longer than `idle_timeout_s` are closed by a reaper thread, and live instances a
 into a game runs under a deadline (`op_timeout_s`, see `Runner`): a hung game costs its own instance,
 never a server thread or the other instances. Instance ids start at a random base, so that a client
 of a server that was restarted gets a 404 for its old ids instead of driving someone else's game.
+
+There is no authentication: `guard` refuses what a web page in the user's browser could send (simple
+cross-site POSTs, foreign origins, DNS rebinding while bound to loopback).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -38,8 +45,12 @@ import threading
 import time
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from urllib.parse import urlsplit
 
 from flask import Flask, Response, request
+from waitress.channel import HTTPChannel
+from waitress.server import BaseWSGIServer, create_server
+from waitress.task import ErrorTask
 from werkzeug.exceptions import HTTPException
 
 from .base import Env, TaskError
@@ -48,18 +59,19 @@ log = logging.getLogger("env_server")
 
 
 class ApiError(Exception):
-    """A request the server refuses; becomes `{"error": message}` with `status`."""
+    """A request the server refuses; becomes `{"error": message}` with `status` (and a Retry-After header
+    when `retry_after` seconds are given: the same request may succeed then)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
 
 
 class Instance:
-    __slots__ = ("env", "lock", "last_used", "task", "done", "closed", "hung")
+    __slots__ = ("env", "key", "lock", "last_used", "task", "done", "closed", "hung")
 
-    def __init__(self, env: Env):
-        self.env = env
+    def __init__(self, env: Env, key: str | None = None):
+        self.env, self.key = env, key  # key: the request_key of the create that made it
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
         self.task: int | None = None  # the task id of the running episode, None before the first reset
@@ -80,6 +92,10 @@ class Runner:
     back in place. A call still running `timeout_s` after it started gets a `Hung` result: its thread is
     left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh one, and the
     caller marks the instance hung. The executor grows a new thread whenever none is idle.
+
+    Only a call's own time counts: while it waits for another call (inside `waiting()`: the instance's
+    lock, see Registry.hold) its deadline is off, and it starts afresh when the wait ends. Otherwise calls
+    queued behind a slow but healthy one would be declared hung, and their instance with them.
     """
 
     def __init__(self, threads: int, timeout_s: float):
@@ -87,28 +103,51 @@ class Runner:
         self.pool = ThreadPoolExecutor(4096, thread_name_prefix="env-call")
         self.lock = threading.Lock()
         self.abandoned = 0  # threads left behind in hung calls
+        self._local = threading.local()  # .state: the progress of the slice this worker thread plays
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """The calling call waits for another one: no deadline inside, its own time starts on leaving.
+        Outside `run` (no slice on this thread) it does nothing."""
+        state = getattr(self._local, "state", None)
+        if state is None:
+            yield
+            return
+        with self.lock:
+            state[2] = None
+        try:
+            yield
+        finally:
+            with self.lock:
+                state[2] = time.monotonic()
 
     def run(self, calls: list) -> list:
         if not calls:
             return []
         results: list = [None] * len(calls)
         size = -(-len(calls) // self.threads)
-        jobs = {}  # future -> its slice's progress [next index, end, start time of the current call, abandoned]
+        # future -> its slice's progress [next index, end, start time of the current call (None while it
+        # waits), abandoned]
+        jobs = {}
 
         def play(state):
-            while True:
-                with self.lock:
-                    if state[3] or state[0] >= state[1]:
-                        return
-                    j, state[2] = state[0], time.monotonic()
-                try:
-                    r = calls[j]()
-                except Exception as e:
-                    r = e
-                with self.lock:
-                    if state[3]:  # declared hung meanwhile: its result went out as Hung
-                        return
-                    results[j], state[0] = r, j + 1
+            self._local.state = state
+            try:
+                while True:
+                    with self.lock:
+                        if state[3] or state[0] >= state[1]:
+                            return
+                        j, state[2] = state[0], time.monotonic()
+                    try:
+                        r = calls[j]()
+                    except Exception as e:
+                        r = e
+                    with self.lock:
+                        if state[3]:  # declared hung meanwhile: its result went out as Hung
+                            return
+                        results[j], state[0] = r, j + 1
+            finally:
+                self._local.state = None
 
         def start(lo: int, hi: int):
             state = [lo, hi, time.monotonic(), False]
@@ -118,14 +157,17 @@ class Runner:
             start(lo, min(lo + size, len(calls)))
         while jobs:
             now = time.monotonic()
-            wait_s = min(max(0.0, s[2] + self.timeout_s - now) for s in jobs.values())
+            with self.lock:  # calls that wait have no deadline yet: look again after a full timeout
+                wait_s = min((max(0.0, s[2] + self.timeout_s - now) for s in jobs.values() if s[2] is not None),
+                             default=self.timeout_s)
             done, _ = wait(list(jobs), timeout=wait_s + 0.01, return_when=FIRST_COMPLETED)
             for f in done:
                 del jobs[f]
             now = time.monotonic()
             for f, state in list(jobs.items()):
                 with self.lock:
-                    late = not f.done() and state[0] < state[1] and now - state[2] > self.timeout_s
+                    late = (not f.done() and state[0] < state[1] and state[2] is not None
+                            and now - state[2] > self.timeout_s)
                     if late:
                         state[3] = True
                         self.abandoned += 1
@@ -139,15 +181,21 @@ class Runner:
 
 
 class Registry:
-    """Live instances, the id counter, the cap and the reaper."""
+    """Live instances, the id counter, the cap, the create request keys and the reaper.
+
+    `lock_timeout_s` bounds how long a call waits for an instance another call is using (then: 503 busy,
+    retry later); `waiting` is the runner's `Runner.waiting`, so that such a wait is not counted against
+    the call's deadline."""
 
     def __init__(self, env_cls: type[Env], world, max_instances: int, idle_timeout_s: float,
-                 lock_timeout_s: float = 60.0, first_id: int | None = None):
+                 lock_timeout_s: float = 60.0, first_id: int | None = None, waiting=contextlib.nullcontext):
         self.env_cls, self.world = env_cls, world
-        self.lock_timeout_s = lock_timeout_s
+        self.lock_timeout_s, self.waiting = lock_timeout_s, waiting
         self.num_tasks = env_cls.num_tasks(world)
         self.max_instances, self.idle_timeout_s = max_instances, idle_timeout_s
         self.instances: dict[int, Instance] = {}
+        self.keys: dict[str, int] = {}  # request_key -> id of the instance its create made, while it lives
+        self.building: dict[int, threading.Event] = {}  # reserved ids whose env is being made; set when done
         # Ids count up from a random base and are never reused, so a stale id can't hit a new game,
         # not even one of the next server started on this port.
         self.first_id = self.next_id = random.randrange(1, 2000) * 1_000_000 if first_id is None else first_id
@@ -157,22 +205,55 @@ class Registry:
         if idle_timeout_s > 0:
             threading.Thread(target=self._reap_loop, name="env-reaper", daemon=True).start()
 
-    def create(self) -> int:
-        with self.lock:
-            if len(self.instances) >= self.max_instances:
-                raise ApiError(503, f"server full: {len(self.instances)} live instances (cap "
-                                    f"--max-instances={self.max_instances}); close instances or raise the cap")
-            iid, self.next_id = self.next_id, self.next_id + 1
-            self.instances[iid] = None  # reserve the slot: env construction may be slow (a JVM)
+    def create(self, key: str | None = None) -> int:
+        """The id of a new instance; with a `key`, that of the live instance a create with this key made,
+        if any: a client retrying a create whose answer it lost must not leave an orphan holding a slot."""
+        while True:
+            with self.lock:
+                iid = self.keys.get(key) if key is not None else None
+                if iid is None or (iid not in self.building and self.instances[iid].closed):
+                    iid = self._reserve(key)
+                    break
+                built = self.building.get(iid)
+                if built is None:
+                    return iid
+            # The first create with this key is still making its env: wait for it; if it failed, the key
+            # is free again and the next round makes the instance.
+            with self.waiting():
+                if not built.wait(self.lock_timeout_s):
+                    raise ApiError(503, f"a create with this request_key has been making instance {iid} for "
+                                        f"{self.lock_timeout_s:g} s; retry later", retry_after=1)
         try:
-            inst = Instance(self.env_cls(self.world))
+            inst = Instance(self.env_cls(self.world), key)
         except BaseException:
             with self.lock:
                 del self.instances[iid]
+                if key is not None:
+                    del self.keys[key]
+                self.building.pop(iid).set()
             raise
         with self.lock:
             self.instances[iid] = inst
+            self.building.pop(iid).set()
         return iid
+
+    def _reserve(self, key: str | None) -> int:
+        """A new id with its slot (under self.lock): env construction may be slow (a JVM)."""
+        if len(self.instances) >= self.max_instances:
+            raise ApiError(503, f"server full: {len(self.instances)} live instances (cap "
+                                f"--max-instances={self.max_instances}); close instances or raise the cap")
+        iid, self.next_id = self.next_id, self.next_id + 1
+        self.instances[iid] = None
+        self.building[iid] = threading.Event()
+        if key is not None:
+            self.keys[key] = iid
+        return iid
+
+    def _unlist(self, iid: int, inst: Instance) -> None:
+        """Remove a closed instance, and its request key, from the lists (under self.lock)."""
+        self.instances.pop(iid, None)
+        if inst.key is not None and self.keys.get(inst.key) == iid:
+            del self.keys[inst.key]
 
     def get(self, iid: int) -> Instance:
         inst = self.instances.get(iid)
@@ -182,15 +263,30 @@ class Registry:
                                     f"{self.idle_timeout_s:g} s idle)")
             raise ApiError(404, f"unknown instance id {iid} (not created by this server)")
         if inst.hung:
-            raise ApiError(503, f"instance {iid} is hung: a call into its game ran past the deadline; "
-                                "close it and create another")
+            raise self._hung(iid)
         return inst
+
+    @staticmethod
+    def _hung(iid: int) -> ApiError:
+        return ApiError(503, f"instance {iid} is hung: a call into its game ran past the deadline; "
+                             "close it and create another")
 
     @contextlib.contextmanager
     def hold(self, iid: int, inst: Instance):
-        """The instance's lock, for one call into its game; a 503 rather than a wait without end."""
-        if not inst.lock.acquire(timeout=self.lock_timeout_s):
-            raise ApiError(503, f"instance {iid} is busy: another call into its game has not returned")
+        """The instance's lock, for one call into its game. The call's deadline starts once it holds it
+        (the wait is another call's time); waiting longer than `lock_timeout_s` behind healthy calls is a
+        503 busy with Retry-After, which leaves the instance as it is; behind a call declared hung, the
+        instance's "hung" 503 as soon as it is marked."""
+        give_up = time.monotonic() + self.lock_timeout_s
+        with self.waiting():
+            while not inst.lock.acquire(timeout=0.05):  # returns at once when the lock is freed
+                if inst.hung:
+                    raise self._hung(iid)
+                if inst.closed:
+                    raise ApiError(404, f"instance {iid} is closed")
+                if time.monotonic() > give_up:
+                    raise ApiError(503, f"instance {iid} is busy: other calls into its game have held it for "
+                                        f"{self.lock_timeout_s:g} s; retry later", retry_after=1)
         try:
             if inst.closed:
                 raise ApiError(404, f"instance {iid} is closed")
@@ -220,7 +316,7 @@ class Registry:
         frees its stuck call (a JVM killed), or may hang as well."""
         inst.closed = True
         with self.lock:
-            self.instances.pop(iid, None)
+            self._unlist(iid, inst)
         if inst.hung:
             threading.Thread(target=self._close_quietly, args=(iid, inst), daemon=True).start()
         else:
@@ -257,7 +353,7 @@ class Registry:
                     continue
                 inst.closed = True
                 with self.lock:
-                    self.instances.pop(iid, None)
+                    self._unlist(iid, inst)
                 self._close_quietly(iid, inst)
                 n += 1
             finally:
@@ -270,6 +366,7 @@ class Registry:
         with self.lock:
             live = [x for x in self.instances.values() if x is not None]
             self.instances.clear()
+            self.keys.clear()
         for inst in live:
             try:
                 inst.env.abandon() if inst.hung else inst.env.close()
@@ -318,20 +415,90 @@ def _json(obj, status: int = 200) -> Response:
     return Response(json.dumps(obj), status=status, mimetype="application/json")
 
 
+# ---------------------------------------------------------------- who may call
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, without a port) is this machine's loopback interface."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_port(netloc: str, default_port: int | None = None) -> tuple[str, int | None]:
+    """("host", port) of "host:port"; raises ValueError when it is not one."""
+    u = urlsplit("//" + netloc)
+    if not u.hostname:
+        raise ValueError(f"no host in {netloc!r}")
+    return u.hostname, u.port or default_port
+
+
+def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
+    """Refuse what a web page open in the user's browser could send: the servers and the viewer have no
+    authentication, and a browser sends a page's requests to any address, 127.0.0.1 included.
+
+    - A POST that is not `Content-Type: application/json`: 415. A page may POST text/plain, forms or no
+      type at all to any address without the browser asking first; a JSON POST needs a CORS preflight
+      that these servers never grant.
+    - A foreign `Origin` (one whose host:port is not the request's own Host): 403. Clients that are not
+      browsers (curl, Python) send no Origin.
+    - While bound to loopback, a Host that is not a loopback name or address: 403. DNS rebinding (a
+      page's own name resolving to 127.0.0.1) passes the Origin check; the Host it sends gives it away.
+      Bound to another address (`--host`), any Host is accepted: whoever reaches the port may call.
+
+    `host` is the bound address; make_server sets it to the one it binds (app.config["BIND_HOST"]).
+    """
+    app.config["BIND_HOST"] = host
+
+    @app.before_request
+    def refuse_cross_site():
+        sent = request.environ.get("HTTP_HOST")  # absent only from HTTP/1.0 clients; browsers send it
+        if sent is not None and is_loopback(app.config["BIND_HOST"]):
+            try:
+                ok = is_loopback(_host_port(sent)[0])
+            except ValueError:
+                ok = False
+            if not ok:
+                return _json({"error": f"Host {sent[:100]!r} refused: a server bound to "
+                                       f"{app.config['BIND_HOST']} answers only to loopback names"}, 403)
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            try:
+                o = urlsplit(origin)
+                default = {"http": 80, "https": 443}.get(o.scheme)
+                same = default is not None and sent is not None and \
+                    (o.hostname, o.port or default) == _host_port(sent, default)
+            except ValueError:
+                same = False
+            if not same:
+                return _json({"error": f"Origin {origin[:100]!r} refused: requests from other sites' pages "
+                                       "are not served"}, 403)
+        if request.method == "POST" and request.mimetype != "application/json":
+            return _json({"error": f"POST needs Content-Type: application/json, got "
+                                   f"{request.content_type or 'none'!r}"[:200]}, 415)
+        return None
+
+    return app
+
+
 # ---------------------------------------------------------------- the app
 def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idle_timeout_s: float = 900.0,
                op_timeout_s: float = 60.0, max_body_bytes: int = 1 << 20, max_batch_ops: int = 4096,
-               first_id: int | None = None) -> Flask:
+               first_id: int | None = None, host: str = "127.0.0.1") -> Flask:
     """Build the Flask app serving `env_cls`. `world` defaults to `env_cls.load_world()`; `first_id` pins
-    the first instance id (tests), else it is random."""
+    the first instance id (tests), else it is random; `host` is the address it will be bound to (`guard`;
+    make_server sets it)."""
     if world is None:
         world = env_cls.load_world(None)
-    reg = Registry(env_cls, world, max_instances, idle_timeout_s, lock_timeout_s=op_timeout_s, first_id=first_id)
-    app = Flask(f"env_server.{env_cls.name}")
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes  # werkzeug answers 413 past this
-    app.extensions["registry"] = reg
     # Games that wait on I/O or a JVM set batch_threads > 1 to play a batch's ops in parallel.
     runner = Runner(getattr(env_cls, "batch_threads", 1), op_timeout_s)
+    # A call waits for a busy instance up to one op timeout: as long as the call it waits for may take.
+    reg = Registry(env_cls, world, max_instances, idle_timeout_s, lock_timeout_s=op_timeout_s, first_id=first_id,
+                   waiting=runner.waiting)
+    app = guard(Flask(f"env_server.{env_cls.name}"), host)
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes  # werkzeug answers 413 past this
+    app.extensions["registry"] = reg
     app.extensions["runner"] = runner
 
     def body() -> dict:
@@ -354,7 +521,8 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     # -- operations shared by the single endpoints and /batch; each returns a JSON-able value
     def op_create(b: dict) -> dict:
         idx = task_id(b) if ("data_idx" in b or "idx" in b) else None
-        iid = reg.create()
+        key = _str(b, "request_key", max_len=200) if "request_key" in b else None
+        iid = reg.create(key)  # with a key seen before: that instance (reset again when data_idx is given)
         out = {"id": iid, "observation": "", "reward": 0, "done": False}
         if idx is not None:
             out = op_reset({"id": iid, "data_idx": idx})
@@ -487,7 +655,10 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     # -- errors: always JSON, never a crash
     @app.errorhandler(ApiError)
     def on_api_error(e: ApiError):
-        return _json({"error": e.message}, e.status)
+        out = _json({"error": e.message}, e.status)
+        if e.retry_after is not None:
+            out.headers["Retry-After"] = str(e.retry_after)
+        return out
 
     @app.errorhandler(TaskError)
     def on_task_error(e: TaskError):
@@ -506,27 +677,53 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
 
 # ---------------------------------------------------------------- serving
+class JsonErrorTask(ErrorTask):
+    """The answers waitress gives itself, without asking the app (a body past max_request_body_size, a
+    request it cannot parse, headers too large, a Transfer-Encoding it does not know, an app that raised
+    before answering), as `{"error": ...}` like the app's, instead of plain text."""
+
+    def execute(self):
+        e = self.request.error
+        body = json.dumps({"error": f"{e.reason}: {e.body}"}).encode()
+        self.status = f"{e.code} {e.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+
+
+class JsonErrorChannel(HTTPChannel):
+    error_task_class = JsonErrorTask
+
+
 def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 4, **kw):
     """A waitress server (production-grade, threaded, pure Python) for `app`; `port=0` picks a free port
-    (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop.
+    (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop. A guarded app
+    (`guard`) learns here the address it is bound to; waitress's own error answers are JSON too.
 
     Tuned for many small JSON requests (measured with bench/env_throughput.py, +20% single-step
     steps/s): responses are buffered whole and sent by the I/O loop in one write (`send_bytes`) instead
     of one send per header and body from the worker thread; poll() instead of select(); and few worker
     threads, since game steps hold the GIL (raise --threads for games that wait on I/O or a JVM).
     """
-    from waitress.server import create_server
-
     # waitress warns "Task queue depth is N" whenever requests wait for a thread: normal under load.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     opts = {"connection_limit": 2048, "channel_timeout": 300, "send_bytes": 1 << 16, "asyncore_use_poll": True,
             "ident": "env_server", **kw}
-    cap = getattr(app, "config", {}).get("MAX_CONTENT_LENGTH")
-    if cap:  # waitress would buffer up to 1 GB for Flask's (JSON) 413; far past the cap it refuses (plain text)
+    config = getattr(app, "config", {})
+    if "BIND_HOST" in config:  # a guarded app: its Host rule follows the address bound here, whatever it was told
+        config["BIND_HOST"] = host
+    cap = config.get("MAX_CONTENT_LENGTH")
+    if cap:  # waitress would buffer up to 1 GB for Flask's 413; far past the cap it refuses (JsonErrorTask)
         opts.setdefault("max_request_body_size", 16 * cap)
+    sockets: dict = {}  # waitress's socket map: the listening socket(s), a wake-up pipe, then connections
     with warnings.catch_warnings():  # waitress 3.0 marks send_bytes deprecated; requirements pin 3.0.2
         warnings.filterwarnings("ignore", message="send_bytes", category=DeprecationWarning)
-        return create_server(app, host=host, port=port, threads=threads, **opts)
+        server = create_server(app, host=host, port=port, threads=threads, map=sockets, **opts)
+    for listener in sockets.values():
+        if isinstance(listener, BaseWSGIServer):  # makes a channel per connection: ours, for this server only
+            listener.channel_class = JsonErrorChannel
+    return server
 
 
 def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
@@ -555,7 +752,7 @@ def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
 
 def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", port: int = 0, **app_kw):
     """Start a server for `env_cls` on a daemon thread; return (base_url, stop). For tests and in-process use."""
-    app = create_app(env_cls, world, **app_kw)
+    app = create_app(env_cls, world, host=host, **app_kw)
     url, stop_server = serve_wsgi_in_thread(app, host, port)
 
     def stop():

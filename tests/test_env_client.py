@@ -10,10 +10,12 @@ import threading
 import time
 
 import pytest
+from conftest import raw
 from flask import Flask, Response, jsonify, request
+from toy_env import CounterEnv
 
 from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from
-from env_server.app import serve_wsgi_in_thread
+from env_server.app import create_app, serve_wsgi_in_thread
 
 
 # ---------------------------------------------------------------- our server
@@ -71,6 +73,32 @@ def test_retries_only_where_safe(toy_server, monkeypatch):
     assert e.value.kind == "connection" and calls["n"] == 3  # one attempt only
     monkeypatch.undo()
     assert c.detail()["total"] == 0  # the failed step never reached the game
+
+
+def test_a_retried_create_makes_one_instance():
+    """The server made the instance but its answer came too late (the client timed out and retried):
+    the retry carries the same request_key and gets that instance, not a second one."""
+    app = create_app(CounterEnv, first_id=0)
+    creates = []
+
+    def late_first_answer(environ, start_response):
+        out = app(environ, start_response)  # the app has handled it: the instance exists
+        if environ["PATH_INFO"] == "/create":
+            creates.append(1)
+            if len(creates) == 1:
+                time.sleep(1.0)  # the answer leaves after the client gave up on it
+        return out
+
+    url, stop = serve_wsgi_in_thread(late_first_answer)
+    try:
+        c = EnvClient(Transport(url, timeout=0.5, retries=2))
+        assert len(creates) == 2 and c.id == 0
+        assert raw(url, "GET", "/")[1]["instances"] == 1
+        assert c.reset(0) == "Reach 3."
+        assert EnvClient(Transport(url)).id == 1  # another client: its own key, its own instance
+    finally:
+        stop()
+        app.extensions["registry"].stop()
 
 
 def test_pool_batch_and_single_agree(toy_server):

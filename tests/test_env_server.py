@@ -6,6 +6,9 @@ import time
 
 import pytest
 from conftest import raw
+from toy_env import CounterEnv
+
+from env_server.app import serve_in_thread
 
 
 def test_health_and_tasks(toy_server):
@@ -68,6 +71,8 @@ def test_create_with_task_and_env_idx_alias(toy_server):
     ("GET", "/no_such_endpoint", None, 404, "Not Found"),
     ("GET", "/step", None, 405, "Method Not Allowed"),
     ("POST", "/batch", {"ops": "step"}, 400, "'ops' must be a list"),
+    ("POST", "/create", {"request_key": 7}, 400, "'request_key' must be a string"),
+    ("POST", "/create", {"request_key": "k" * 201}, 400, "'request_key' is longer than 200"),
 ])
 def test_bad_input_is_a_json_4xx(toy_server, method, path, body, status, needle):
     raw(toy_server, "POST", "/create", {"data_idx": 0})  # instance 0 exists
@@ -75,6 +80,56 @@ def test_bad_input_is_a_json_4xx(toy_server, method, path, body, status, needle)
     assert got_status == status, got
     assert isinstance(got, dict) and needle in got["error"], got
     assert raw(toy_server, "GET", "/")[0] == 200  # still serving
+
+
+def test_create_with_a_request_key_is_idempotent(toy_server):
+    """A client that retries a create whose answer it lost sends the same key: one instance, not two."""
+    def create(body):
+        status, c = raw(toy_server, "POST", "/create", body)
+        assert status == 200, c
+        return c["id"]
+
+    def live():
+        return raw(toy_server, "GET", "/")[1]["instances"]
+
+    a = create({"request_key": "k1"})
+    assert create({"request_key": "k1"}) == a and live() == 1
+    b = create({"request_key": "k2", "data_idx": 1})
+    assert b != a and live() == 2
+    assert create({}) not in (a, b) and live() == 3  # no key: a new instance every time
+    status, out = raw(toy_server, "POST", "/batch", {"ops": [
+        {"op": "create", "request_key": "k1"}, {"op": "create", "request_key": "k3"},
+        {"op": "create", "request_key": "k3"}, {"op": "create", "request_key": None}]})
+    r = out["results"]
+    assert r[0]["id"] == a and r[1]["id"] == r[2]["id"] not in (a, b) and r[3]["status"] == 400
+    assert live() == 4
+    raw(toy_server, "POST", "/close", {"id": a})  # a key lives as long as its instance
+    assert create({"request_key": "k1"}) not in (a, b) and live() == 4
+
+
+class SlowToBuild(CounterEnv):
+    def __init__(self, world):
+        time.sleep(0.5)  # a JVM or a browser starting
+        super().__init__(world)
+
+
+def test_a_key_retried_while_its_create_is_running_waits_for_it():
+    """A retry that arrives while the first create is still making its env gets that instance."""
+    url, stop = serve_in_thread(SlowToBuild, first_id=0)
+    try:
+        ids = []
+        threads = [threading.Thread(target=lambda: ids.append(raw(url, "POST", "/create", {"request_key": "k"})))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        for t in threads:
+            t.join()
+        assert [s for s, _ in ids] == [200] * 3 and {c["id"] for _, c in ids} == {0}
+        assert raw(url, "GET", "/")[1]["instances"] == 1
+        assert raw(url, "POST", "/reset", {"id": 0, "data_idx": 0})[0] == 200
+    finally:
+        stop()
 
 
 def test_episode_state_errors(toy_server):

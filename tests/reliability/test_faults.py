@@ -2,6 +2,7 @@
 instances lost with their server. Each fault costs only what it touches, and training goes on (or
 stops with a clear message when there is nothing sound left to train on)."""
 
+import http.client
 import importlib.util
 import json
 import os
@@ -55,6 +56,56 @@ def test_a_hung_call_costs_its_own_instance_only(env_cls):
         assert raw(url, "POST", "/close", {"id": 1}) == (200, True)
         assert raw(url, "GET", "/")[1]["instances"] == 3
         assert raw(url, "POST", "/create", {"data_idx": 1})[0] == 200
+    finally:
+        stop()
+
+
+def step_with_headers(url: str, body: dict) -> tuple[int, dict, dict]:
+    """POST /step; (status, JSON answer, headers)."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+    conn.request("POST", "/step", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = (resp.status, json.loads(resp.read()), dict(resp.getheaders()))
+    conn.close()
+    return out
+
+
+def test_calls_queued_behind_a_slow_call_are_not_hung():
+    """The deadline counts a call's own time, not its wait for the instance: six parallel 0.4 s steps on
+    one instance under a 1 s deadline are each played or told the instance is busy (retry later); none
+    is a 504, and the instance plays on."""
+    url, stop = serve_in_thread(CounterEnv, op_timeout_s=1.0, first_id=0)
+    try:
+        raw(url, "POST", "/create", {"data_idx": 19})
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            step_with_headers(url, {"id": 0, "action": "sleep 0.4"}))) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        statuses = sorted(a[0] for a in answers)
+        assert len(answers) == 6 and 200 in statuses and set(statuses) <= {200, 503}, answers
+        for status, out, headers in answers:
+            if status == 503:
+                assert "busy" in out["error"] and "hung" not in out["error"] and headers["Retry-After"] == "1"
+        assert raw(url, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200  # not hung
+    finally:
+        stop()
+
+
+def test_a_call_queued_behind_a_hung_call_hears_so_at_once():
+    url, stop = serve_in_thread(CounterEnv, op_timeout_s=0.5, first_id=0)
+    try:
+        raw(url, "POST", "/create", {"data_idx": 19})
+        first = []
+        t = threading.Thread(target=lambda: first.append(raw(url, "POST", "/step", {"id": 0, "action": "sleep 30"})))
+        t.start()
+        time.sleep(0.25)
+        status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})  # waits for the lock
+        t.join()
+        assert first[0][0] == 504
+        assert status == 503 and "is hung" in e["error"], e
     finally:
         stop()
 

@@ -1,17 +1,23 @@
-"""What a server exposes: loopback only by default, bounded request bodies and instance counts, no
-request text ever run as code, and a viewer that serves nothing outside its run folders."""
+"""What a server exposes: loopback only by default, no cross-site or DNS-rebinding requests, bounded
+request bodies and instance counts (JSON errors, whoever answers), no request text ever run as code, and
+a viewer that serves nothing outside its run folders."""
 
 import ast
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
+import pytest
 from conftest import ROOT, raw
+from toy_env import CounterEnv
 
 import viewer
-from env_server.app import ServerProcess
+from env_client import EnvClient
+from env_server.app import ServerProcess, create_app, make_server, serve_wsgi_in_thread
 
 
 def listening_on(port: int) -> set[str]:
@@ -55,6 +61,132 @@ def test_oversized_bodies_and_too_many_instances_are_refused():
         status, e = raw(s.url, "POST", "/create", {})
         assert status == 503 and "--max-instances=2" in e["error"]
         assert raw(s.url, "GET", "/")[1]["instances"] == 2  # and it goes on serving
+
+
+# ---------------------------------------------------------------- cross-site requests
+JSON = {"Content-Type": "application/json"}
+
+
+def test_simple_cross_site_posts_are_refused(toy_server):
+    """A web page can POST cross-site without the browser asking first only as text/plain, a form or no
+    type at all: such a POST gets a 415 and never reaches a game."""
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Content-Type": "multipart/form-data; boundary=x"}, {"Accept": "*/*"}):  # the last: no type
+        for body in ("{}", ""):
+            status, e = raw(toy_server, "POST", "/create", body, headers)
+            assert status == 415 and "Content-Type: application/json" in e["error"], (headers, e)
+    assert raw(toy_server, "GET", "/")[1]["instances"] == 0
+    status, c = raw(toy_server, "POST", "/create", {}, {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200 and c["id"] == 0
+
+
+def test_foreign_origins_are_refused(toy_server):
+    own = f"http://127.0.0.1:{urlsplit(toy_server).port}"
+    other_port = f"http://127.0.0.1:{urlsplit(toy_server).port + 1}"  # another local site: another origin
+    for origin in ("http://evil.example", "null", other_port, "https://127.0.0.1", "garbage"):
+        for method, path, body in (("POST", "/create", {}), ("GET", "/", None)):
+            status, e = raw(toy_server, method, path, body, {**JSON, "Origin": origin})
+            assert status == 403 and "Origin" in e["error"], (origin, path, e)
+    assert raw(toy_server, "GET", "/")[1]["instances"] == 0
+    assert raw(toy_server, "POST", "/create", {}, {**JSON, "Origin": own})[0] == 200  # the server's own pages
+
+
+def test_dns_rebinding_is_refused_on_loopback(toy_server):
+    """evil.example resolving to 127.0.0.1 lets a page read from "its own" origin: the Host it sends
+    gives it away."""
+    port = urlsplit(toy_server).port
+    for host in (f"evil.example:{port}", "evil.example", "10.0.0.1", f"127.0.0.1.evil.example:{port}", "[::1"):
+        for method, path, body in (("GET", "/", None), ("POST", "/create", {}), ("GET", "/tasks", None)):
+            status, e = raw(toy_server, method, path, body, {**JSON, "Host": host})
+            assert status == 403 and "Host" in e["error"], (host, path, e)
+    for host in (f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", f"[::1]:{port}", "127.0.0.2:1"):
+        assert raw(toy_server, "GET", "/", None, {"Host": host})[0] == 200, host
+    assert raw(toy_server, "GET", "/")[1]["instances"] == 0
+
+
+def test_a_server_bound_elsewhere_takes_any_host():
+    """Bound to another address (--host), Host names cannot be known beforehand: any is accepted (and
+    there is no authentication: README, Reliability). make_server tells the app where it is bound."""
+    apps = [create_app(CounterEnv, host=h, idle_timeout_s=0) for h in ("0.0.0.0", "127.0.0.1", "0.0.0.0")]
+    try:
+        c = apps[0].test_client()
+        assert c.get("/", headers={"Host": "gpu-node-7:36001"}).status_code == 200
+        assert c.post("/create", json={}, headers={"Host": "10.1.2.3:36001"}).status_code == 200
+        assert c.post("/create", data="{}", content_type="text/plain").status_code == 415  # still no simple POSTs
+        assert c.get("/", headers={"Origin": "http://evil.example"}).status_code == 403
+        assert apps[1].test_client().get("/", headers={"Host": "gpu-node-7"}).status_code == 403
+        server = make_server(apps[2], "127.0.0.1", 0)  # told 0.0.0.0, bound to loopback: loopback's rule
+        server.close()
+        assert apps[2].test_client().get("/", headers={"Host": "gpu-node-7"}).status_code == 403
+    finally:
+        for app in apps:
+            app.extensions["registry"].stop()
+
+
+def test_viewer_refuses_cross_site_and_rebinding(tmp_path):
+    (tmp_path / "rollouts").mkdir()
+    c = viewer.create_app([str(tmp_path)]).test_client()
+    assert c.get("/").status_code == 200
+    for headers in ({"Host": "evil.example:8008"}, {"Origin": "http://evil.example"}):
+        r = c.get("/run/0", headers=headers)
+        assert r.status_code == 403 and "error" in r.get_json() and str(tmp_path) not in r.get_data(as_text=True)
+    r = c.post("/", data="x", content_type="text/plain")
+    assert r.status_code == 415 and "error" in r.get_json()
+    open_c = viewer.create_app([str(tmp_path)], host="0.0.0.0").test_client()
+    assert open_c.get("/", headers={"Host": "gpu-node-7:8008"}).status_code == 200
+    url, stop = serve_wsgi_in_thread(viewer.create_app([str(tmp_path)]))
+    try:  # over HTTP as a browser under rebinding would ask
+        assert raw(url, "GET", "/", None, {"Host": "evil.example"})[0] == 403
+        assert raw(url, "GET", "/")[0] == 200
+    finally:
+        stop()
+
+
+def test_own_and_agentgym_style_clients_pass(toy_server):
+    c = EnvClient(toy_server)  # Content-Type application/json, Host 127.0.0.1:PORT
+    assert c.reset(1) == "Reach 4." and c.step("add 4").done
+    c.close()
+    requests = pytest.importorskip("requests")  # AgentGym's clients: requests.post(json=...)
+    r = requests.post(f"{toy_server}/create", json={"data_idx": 0}, timeout=10)
+    assert r.status_code == 200 and r.json()["observation"] == "Reach 3."
+    assert requests.get(f"{toy_server.replace('127.0.0.1', 'localhost')}/", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------- errors waitress answers itself
+def send_raw(port: int, data: bytes) -> tuple[int, bytes, bytes]:
+    """Exact bytes on a fresh connection; (status, head, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # closed first: its answer is still readable
+        out = b""
+        try:
+            while chunk := s.recv(1 << 16):
+                out += chunk
+        except ConnectionResetError:
+            pass
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), head, body
+
+
+def test_errors_waitress_answers_itself_are_json(make_toy_server):
+    """Past 16 x the app's body cap waitress refuses without asking the app; a request it cannot parse
+    it answers itself too. Those answers are JSON as well."""
+    port = urlsplit(make_toy_server(max_body_bytes=1000)).port
+    cases = {
+        413: b"POST /step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 1000000000\r\n\r\n{",
+        400: b"GARBAGE\r\n\r\n",
+        431: b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: " + b"a" * 300_000 + b"\r\n\r\n",
+        501: b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+    }
+    for code, data in cases.items():
+        status, head, body = send_raw(port, data)
+        assert status == code and b"content-type: application/json" in head.lower(), (code, head, body[:200])
+        assert isinstance(json.loads(body)["error"], str), (code, body[:200])
+    status, head, body = send_raw(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    assert status == 200 and json.loads(body)["status"] == "ok"  # still serving
 
 
 # Calls that would run text as code, or hand it to a shell or an unpickler: (module, name), None for builtins.

@@ -420,13 +420,25 @@ def generating(engine, model):
         engine.sleep()
 
 
+def sampling_device(kind: str, device) -> torch.device:
+    """Where the sampling generator lives: HF generate draws tokens on the model's device (a CPU generator
+    cannot drive CUDA sampling); VLLMEngine draws its per-request seeds on the CPU."""
+    return torch.device(device) if kind == "hf" else torch.device("cpu")
+
+
 def make_engine(kind: str, model, model_path: str, pad_id: int, **vllm_kwargs):
     """The generation engine for --engine `kind`. "hf": HFEngine sampling with the trainer's own `model`
     (`vllm_kwargs` are ignored). "vllm": a colocated VLLMEngine loaded from `model_path`, a folder with the
     same weights as `model` (they are pushed again by `sync_weights` after each update); `vllm_kwargs` go
-    to VLLMEngine (gpu_memory_utilization, max_model_len, seed, ...)."""
+    to VLLMEngine (gpu_memory_utilization, max_model_len, seed, ...). Under torchrun every rank has a
+    whole-model engine sampling its own rank's prompts: vLLM's external launcher counts the ranks as
+    data-parallel engines (world = tp x pp x dp, here dp = N)."""
     if kind == "hf":
         return HFEngine(model, pad_id)
     if kind == "vllm":
+        from distributed import world_size
+
+        if world_size() > 1:
+            vllm_kwargs.setdefault("data_parallel_size", world_size())
         return VLLMEngine(model_path, **vllm_kwargs)
     raise ValueError(f"unknown engine {kind!r}: choose hf or vllm")

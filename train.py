@@ -37,7 +37,7 @@ from checkpoints import Interrupts, find_checkpoint, load_checkpoint, save_check
 from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, task_lists
 from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, global_rank, global_whiten,
                          init_distributed, rank_items, world_size)
-from engines import generating, make_engine
+from engines import generating, make_engine, sampling_device
 from env_client import EnvPool, env_ready, spread
 from env_server.app import serving
 from eval import held_out
@@ -198,8 +198,10 @@ class Run:
     categories: dict
     threads: int  # torch threads during rollouts (the env server needs a core)
     update_threads: int  # and during the update, which makes no env call
-    start: int = 1
-    evals: list = dataclasses.field(default_factory=list)
+    start: int = 1  # the first step to play (after a checkpoint's)
+    evals: list = dataclasses.field(default_factory=list)  # the held-out evaluations so far
+    safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as they are
+    saved: int = 0  # the step of the checkpoint on disk
 
 
 def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
@@ -216,21 +218,13 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)}
     if critic is not None:
         optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
-    # vLLM: a whole-model engine per rank, each sampling its own rank's prompts; under torchrun vLLM's
-    # external launcher counts the ranks as data-parallel engines (world = tp x pp x dp, here dp = N).
-    vllm_kwargs = ({"gpu_memory_utilization": cfg.vllm_gpu_memory, "max_model_len": cfg.max_context}
-                   if cfg.engine == "vllm" else {})
-    if cfg.engine == "vllm" and world_size() > 1:
-        vllm_kwargs["data_parallel_size"] = world_size()
-    # HF generate draws tokens on the model's device (a CPU generator cannot drive CUDA sampling);
-    # VLLMEngine draws its per-request seeds on the CPU.
-    gen_device = torch.device(device) if cfg.engine == "hf" else torch.device("cpu")
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer, fmt=ChatFormat(tokenizer),
               pad=pad_id(tokenizer), model=model, ref=ref, critic=critic, optims=optims,
-              engine=make_engine(cfg.engine, model, model_path, pad_id(tokenizer), **vllm_kwargs),
+              engine=make_engine(cfg.engine, model, model_path, pad_id(tokenizer), max_model_len=cfg.max_context,
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory),
               schedule=make_schedule(cfg.schedule, stage_steps(cfg), cfg.schedule_kind),
               data_rng=random.Random(cfg.seed),
-              sample_gen=torch.Generator(gen_device).manual_seed(cfg.seed + global_rank()),
+              sample_gen=torch.Generator(sampling_device(cfg.engine, device)).manual_seed(cfg.seed + global_rank()),
               pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size, timeout=cfg.env_timeout),
               train_ids=train_ids, test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
               categories=tasks["categories"], threads=torch.get_num_threads(),
@@ -527,7 +521,7 @@ def loop(run: Run) -> dict:
     with a checkpoint (checkpoints.Interrupts) that --resume continues exactly."""
     cfg, rank, world = run.cfg, global_rank(), world_size()
     t_start, last, bad_steps = time.time(), {}, 0
-    run.safe, run.saved = (run.start - 1, snapshot(run)), run.start - 1  # what a stop saves; the step on disk
+    run.safe, run.saved = (run.start - 1, snapshot(run)), run.start - 1
     bar = tqdm(range(run.start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}", initial=run.start - 1, total=cfg.steps,
                dynamic_ncols=True, disable=rank != 0)
     try:
@@ -639,10 +633,9 @@ def finish(run: Run, seconds: float) -> dict:
     table = [(f"training success (mean of {k} steps)", out["train_success_first"], out["train_success_last"])]
     if len(evals) >= 2:
         a, b = evals[0], evals[-1]
-        out.update(eval_success_start=a["success_rate"], eval_success_end=b["success_rate"], eval_step_start=a["step"],
-                   eval_step_end=b["step"], eval_by_category_start=a["by_category"],
-                   eval_by_category_end=b["by_category"], guess_share_start=a.get("guess_share", 0.0),
-                   guess_share_end=b.get("guess_share", 0.0))
+        for key, name in (("success_rate", "eval_success"), ("step", "eval_step"), ("by_category", "eval_by_category")):
+            out.update({f"{name}_start": a[key], f"{name}_end": b[key]})
+        out.update(guess_share_start=a.get("guess_share", 0.0), guess_share_end=b.get("guess_share", 0.0))
         table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks, K={b['max_turns']})",
                       a["success_rate"], b["success_rate"]))
         if out["guess_share_start"] or out["guess_share_end"]:  # the built-in warm start's planted habit

@@ -6,9 +6,10 @@ observation tells where the goal is. Reward 1 on reaching the goal, 0 otherwise;
 A random policy wins sometimes, a good one always: small models learn it in minutes on a CPU, which
 makes it the learning test of the training loop, not a benchmark.
 
-Task id i: the goal is on the right when i is even. The training tasks (0-47) put it 1 to 3 cells away,
-the test tasks (48-59) 4 or 5 cells away, a distance no training task has: held-out success then
-measures a policy that goes where the observation says, not one that remembers the training games.
+Task id i: the goal is on the right when i is even. The training tasks (0-47) put it 1, 2 or 4 cells
+away, the test tasks (48-59) 3 cells away: a game no training task plays, made of words the training
+games use (an episode from 4 cells away reads "3 steps" on its way). Held-out success then measures a
+policy that goes where the observation says, not one that remembers the training games.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ NUM_TASKS, NUM_TRAIN = 60, 48
 
 
 def distance(idx: int) -> int:
-    return 1 + (idx // 2) % 3 if idx < NUM_TRAIN else 4 + (idx // 2) % 2
+    return (1, 2, 4)[(idx // 2) % 3] if idx < NUM_TRAIN else 3
 
 
 class CorridorEnv(Env):

@@ -148,7 +148,7 @@ def test_cli_errors_name_the_flag():
 
 
 def test_corridor_test_games_are_not_training_games():
-    """Held-out Corridor tasks are other games (distances 4-5) than any training task (1-3)."""
+    """Held-out Corridor tasks are other games (distance 3) than any training task (1, 2, 4)."""
     from env_server.corridor import CorridorEnv
 
     env, splits = CorridorEnv(None), CorridorEnv.splits(None)
@@ -158,4 +158,4 @@ def test_corridor_test_games_are_not_training_games():
         return env.goal
 
     assert not {game(i) for i in splits["test"]} & {game(i) for i in splits["train"]}
-    assert {abs(game(i)) for i in splits["test"]} == {4, 5} and {abs(game(i)) for i in splits["train"]} == {1, 2, 3}
+    assert {abs(game(i)) for i in splits["test"]} == {3} and {abs(game(i)) for i in splits["train"]} == {1, 2, 4}

@@ -33,7 +33,7 @@ def test_score_table_against_hand_count():
 
 def test_categories_come_from_the_env():
     cats = ev.categories_for("corridor", [48, 50, 52, 54])
-    assert cats == {48: "distance_4", 50: "distance_5", 52: "distance_4", 54: "distance_5"}  # test games only
+    assert cats == {48: "distance_3", 50: "distance_3", 52: "distance_3", 54: "distance_3"}  # test games only
     assert ev.categories_for("webarena", [0, 1]) == {0: "all", 1: "all"}
 
 
@@ -68,7 +68,7 @@ def test_checkpoint_eval_matches_hand_count(tmp_path):
     passed = sum(max(s) > 0 for s in by_item.values()) / 4
     assert res["overall"]["avg@2"] == pytest.approx(avg)
     assert res["overall"]["pass@2"] == pytest.approx(passed)
-    assert set(res["by_category"]) == {"distance_4", "distance_5"}  # tasks 48..51: distances 4, 4, 5, 5
+    assert set(res["by_category"]) == {"distance_3"}  # the test tasks: distance 3, which no training task has
     assert res["statuses"]["done"] + res["statuses"]["max_turns"] == 8
     assert res["excluded"] == {"env_error": 0, "endpoint_error": 0}
     assert res["config"]["checkpoint"] == run
@@ -108,7 +108,7 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
                                      "--out", out]))
     finally:
         stop()
-    # Corridor test task i: goal on the right iff i is even, at distance 4 or 5 <= 5 = K.
+    # Corridor test task i: goal on the right iff i is even, at distance 3 <= 5 = K.
     scores = {t["item_id"]: t["scores"] for t in res["tasks"]}
     assert sorted(scores) == list(range(48, 54))
     for item, s in scores.items():

@@ -68,7 +68,7 @@ def test_expert_rows_match_the_chat_template(corridor_model_path):
     fmt = ChatFormat(tok)
     trajs = warmstart.expert_trajectories("corridor", [0, 5, 48], fmt)
     assert all(t.status == "done" and t.reward == 1.0 for t in trajs)
-    assert [t.turns for t in trajs] == [1, 3, 1]
+    assert [t.turns for t in trajs] == [1, 4, 3]  # distances 1, 4 (training) and 3 (test)
     assert trajs[1].messages[3]["content"] == react_reply("corridor", "left")
     check_rows(fmt, trajs)
     capped = warmstart.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,

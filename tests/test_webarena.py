@@ -140,14 +140,17 @@ def test_eval_against_the_webarena_protocol(tmp_path, webarena_url, tasks_file, 
         assert t["messages"][4]["content"] == WEBARENA_NO_ACTION
 
 
-def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url, tasks_file):
+def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url):
     import tiny_model
+
+    tasks_file = tmp_path / "splits.json"  # training may not share ids with the held-out split
+    tasks_file.write_text(json.dumps({"train": [0, 1], "test": [2]}))
 
     model = tiny_model.build(str(tmp_path / "tiny"), env_names=("corridor",), tokenizer="bpe", vocab_size=300,
                              layers=1, hidden=32, heads=2)
     out = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "train.py", "--env", "webarena", "--env-addr", webarena_url,
-                        "--tasks-file", tasks_file, "--model", model, "--steps", "1", "--batch-size", "2",
+                        "--tasks-file", str(tasks_file), "--model", model, "--steps", "1", "--batch-size", "2",
                         "--group-size", "2", "--schedule", "2", "--max-new-tokens", "4", "--threads", "1",
                         "--eval-every", "0", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

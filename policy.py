@@ -37,10 +37,48 @@ def pad_id(tokenizer) -> int:
 
 
 def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float32):
-    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the checkpoint's own)."""
+    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the checkpoint's own).
+    A grouped-query model (fewer key/value heads than query heads, as SmolLM2 and Qwen have) attends with
+    `grouped_sdpa`."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
+    cfg = model.config
+    if getattr(cfg, "num_key_value_heads", None) and cfg.num_key_value_heads < cfg.num_attention_heads and \
+            cfg._attn_implementation == "sdpa":
+        _register_grouped_sdpa()
+        model.set_attn_implementation("grouped_sdpa")
+    return model
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kw):
+    """transformers' SDPA attention for grouped-query models, without copying the keys and values out to
+    every query head. With a padding mask, transformers repeats each key/value head for its query heads
+    (`repeat_kv`) at every call: in decoding that copies the whole cache, every layer, every token.
+    Here the query heads that share a key/value head become extra query rows of that head instead
+    (query head h uses key/value head h // groups), and the mask's rows are tiled to match: the same
+    attention, computed on the cache as it is. Without a mask, transformers' own path already avoids the
+    copy (SDPA's enable_gqa). query (B, H, q, d), key/value (B, Hkv, k, d) -> (B, q, H, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
+            or kw.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+    B, H, q, d = query.shape
+    rows = query.reshape(B, H // groups, groups * q, d)  # row g * q + t: query head (kv head, g) at position t
+    mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask.shape[2] == q else attention_mask
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)  # (B, Hkv, groups * q, d)
+    return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register("grouped_sdpa", grouped_sdpa)
+    AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)  # the masks SDPA takes
 
 
 class Critic(torch.nn.Module):

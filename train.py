@@ -471,6 +471,8 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
         m["time_update_s"] = time.time() - t1
         m["skipped_update"] = int(m["bad"] or len(everyone) == errors)
         m["time_sync_s"] = float(run.engine.sync_weights(run.model) or 0.0)  # HF: the same module, nothing to copy
+        if run.device.type == "cuda":
+            m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(run.device) / 2**20
         m["step"] = step
         if global_rank() == 0:
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:

@@ -63,3 +63,24 @@ def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
     assert r["gain"] == 100 * (evals[-1]["success_rate"] - evals[0]["success_rate"])
     assert 0 < r["minutes"] <= r["wall_minutes"] and r["tasks"] == 4
     assert r["met"] == (r["gain"] >= 20 and r["minutes"] <= 30)
+
+
+def test_horizon_comparison_runs_on_corridor(tmp_path):
+    """bench/horizons.py on CPU with tiny settings: three schedules from the same start, two steps each,
+    run side by side, then one PNG and a table (Markdown and JSON) naming device, speeds and memory."""
+    import json
+    import os
+    out = tmp_path / "h"
+    r = subprocess.run([sys.executable, "bench/horizons.py", "--env", "corridor", "--horizons", "2", "4", "2,4",
+                        "--steps", "2", "--eval-every", "1", "--parallel", "3", "--device", "cpu", "--out", str(out),
+                        "--train", f"--batch-size 2 --group-size 2 --max-new-tokens 4 --threads 1 --eval-tasks 4 "
+                                   f"--cache-dir {tmp_path / 'cache'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    table = json.load(open(out / "horizons.json"))
+    assert [t["schedule"] for t in table["runs"]] == ["2", "4", "2,4"] and table["device"].startswith("CPU")
+    for t in table["runs"]:
+        assert [step for step, _ in t["curve"]] == [0, 1, 2] and t["gen_tokens_per_s"] > 0 and t["train_tokens_per_s"] > 0
+    metrics = [json.loads(x) for x in open(out / "corridor" / "K2-4_s0" / "metrics.jsonl")]
+    assert [m["max_turns"] for m in metrics] == [2, 4]  # ScalingInter-RL: the horizon grew
+    assert os.path.getsize(out / "horizons.png") > 10_000 and "| 2,4 |" in open(out / "horizons.md").read()

@@ -83,3 +83,22 @@ def test_the_sampler_and_the_trainer_agree(smollm2, tok, temperature):
         with torch.no_grad():
             lp = policy.token_logprobs(model, mb, temperature)[0][0, len(p) - 1:]
         assert (lp - torch.tensor(s.logprobs)).abs().max() < 2e-3, (lp, s.logprobs)
+
+
+def test_grouped_attention_is_transformers_attention_without_the_copies(smollm2, tok):
+    """SmolLM2 has 3 key/value heads for 9 query heads: load_model gives it grouped_sdpa, which must give
+    transformers' own SDPA logits on left-padded rows (the rollout's batches) and in cached decoding."""
+    from transformers import AutoModelForCausalLM
+
+    grouped, plain = policy.load_model(smollm2).eval(), AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    assert grouped.config._attn_implementation == "grouped_sdpa" and plain.config._attn_implementation == "sdpa"
+    fmt = ChatFormat(tok)
+    prompts = [fmt.prompt_ids([{"role": "user", "content": c}]) for c in ("Hi.", "Name three colours, please.")]
+    L = max(map(len, prompts))
+    ids = torch.tensor([[2] * (L - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        a, b = grouped(input_ids=ids, attention_mask=attn).logits, plain(input_ids=ids, attention_mask=attn).logits
+    assert (a - b)[attn.bool()].abs().max() < 1e-3
+    gen = [HFEngine(m, 2).generate(prompts, 6, [], 0.0) for m in (grouped, plain)]  # greedy, cached decoding
+    assert [s.ids for s in gen[0]] == [s.ids for s in gen[1]]

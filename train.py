@@ -111,7 +111,7 @@ class Config:
     seed: int = arg(0, "seed of task order, sampling and init")
     out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
-    save_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
+    save_every: int = arg(0, "checkpoint every N steps (0: only at the end; -1: never, but on Ctrl-C or SIGTERM)")
     device: str = arg("auto", "cpu, cuda or auto")
     threads: int = arg(0, "CPU threads for torch per process (0: during rollouts all cores but one, which the env "
                           "server needs, during the update all; shared by the processes of this node)")
@@ -142,6 +142,7 @@ def parse_args(argv=None) -> Config:
               (cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
               (not cfg.resume or cfg.out, "--resume needs --out: the run folder to continue"),
               (cfg.eval_every >= 0, "--eval-every must be 0 or more"),
+              (cfg.save_every >= -1, "--save-every must be -1 (never), 0 (at the end) or a number of steps"),
               (cfg.eval_tasks >= 0, "--eval-tasks must be 0 or more"),
               (cfg.eval_turns is None or cfg.eval_turns >= 1, "--eval-turns must be at least 1"),
               (cfg.env_timeout > 0, "--env-timeout must be a positive number of seconds"),
@@ -544,7 +545,7 @@ def loop(run: Run) -> dict:
                         too_many_env_errors(run, step, last, bad_steps, intr)
                     if eval_due(cfg, step):
                         evaluate(run, step)
-                    if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    if cfg.save_every >= 0 and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
                         with intr.critical():
                             save(run, *run.safe)
                     if world > 1 and all_max(int(intr.signum is not None)):  # the ranks stop together

@@ -192,8 +192,8 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
     total = epochs * -(-B // batch_size)  # optimizer steps in all
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: warmup_cosine(i, total))
     losses = []
-    bar = tqdm(range(epochs), desc="sft", disable=not progress, dynamic_ncols=True)
-    for _ in bar:
+    bar = tqdm(total=total, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
+    for epoch in range(epochs):
         perm = list(range(B))
         rng.shuffle(perm)
         nll_sum, tok_sum = 0.0, 0.0
@@ -212,8 +212,10 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
             sched.step()
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{nll_sum / max(tok_sum, 1.0):.4f}")
         losses.append(nll_sum / max(tok_sum, 1.0))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    bar.close()
     return losses
 
 

@@ -6,7 +6,7 @@ in-process step rate, so the HTTP overhead is visible.
 The server runs in its own process (as train.py runs it); the client steps all instances in lock-step
 rounds, as the rollout does: one round = one action for every instance. Targets on a 2-core machine
 (TextCraft): single-step with keep-alive >= 2,000 steps/s at 32 instances; batch >= 15,000 steps/s at 64.
-Since every call into a game runs on a worker thread under a deadline (env_server.app.Runner), the
+Since every call into a game runs on a worker thread under a deadline (env_server.instances.Runner), the
 single-step path misses its target: about 1,500 steps/s against 2,100 before (README, "Speed").
 """
 

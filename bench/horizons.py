@@ -47,7 +47,7 @@ def launch(a, model: str | None, schedule: str, seed: int) -> tuple[str, subproc
            "--eval-turns", str(max(int(k) for h in a.horizons for k in h.split(","))), "--seed", str(seed),
            "--device", a.device, "--out", out, *(["--model", model] if model else []), *a.train.split()]
     if a.no_save:
-        cmd += ["--save-every", "0"]
+        cmd += ["--save-every", "-1"]
     os.makedirs(os.path.dirname(out), exist_ok=True)
     log = open(out + ".log", "w")
     print("$", " ".join(cmd[1:]), flush=True)

@@ -102,3 +102,27 @@ def test_grouped_attention_is_transformers_attention_without_the_copies(smollm2,
     assert (a - b)[attn.bool()].abs().max() < 1e-3
     gen = [HFEngine(m, 2).generate(prompts, 6, [], 0.0) for m in (grouped, plain)]  # greedy, cached decoding
     assert [s.ids for s in gen[0]] == [s.ids for s in gen[1]]
+
+
+def test_the_name_works_in_the_three_scripts(smollm2, tmp_path):
+    """train.py, eval.py and sft.py take --model smollm2-135m (a game it plays badly: Corridor, tiny settings)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    common = ["--env", "corridor", "--model", "smollm2-135m", "--cache-dir", CACHE, "--max-new-tokens", "4",
+              "--threads", "2"]
+    runs = {
+        "train.py": ["--steps", "1", "--schedule", "1", "--batch-size", "1", "--group-size", "2", "--eval-every", "0",
+                     "--save-every", "-1", "--out", str(tmp_path / "run")],
+        "eval.py": ["--limit", "2", "--n", "1", "--max-turns", "1", "--out", str(tmp_path / "eval.json")],
+        "sft.py": ["--tasks", "0,1", "--epochs", "1", "--out", str(tmp_path / "sft")],
+    }
+    for script, args in runs.items():
+        r = subprocess.run([sys.executable, script, *common, *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, (script, r.stderr[-2000:])
+    assert json.load(open(tmp_path / "run" / "config.json"))["model"] == "smollm2-135m"
+    assert json.load(open(tmp_path / "eval.json"))["policy"] == models.builtin_path("smollm2-135m", CACHE)
+    assert os.path.exists(tmp_path / "sft" / "model.safetensors")

@@ -144,6 +144,7 @@ def _rank_main(rank: int, world: int, tmp: str) -> None:
         results.append((stats, params, critic))
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
+    torch.distributed.barrier()  # neither rank tears gloo down while the other still talks (an abort, seen in CI)
     torch.distributed.destroy_process_group()
 
 

@@ -135,8 +135,15 @@ def check_model(p: argparse.ArgumentParser, model: str | None) -> None:
 
 def cpu_threads(threads: int = 0, leave_one: bool = True) -> int:
     """torch's CPU threads per process: `threads` when given, else all cores (less one when `leave_one`:
-    an env server on this machine needs it, and an oversubscribed core makes torch's OpenMP threads spin,
-    up to 100x slower), shared by the processes of this node (torchrun's LOCAL_WORLD_SIZE)."""
+    an env server on this machine needs it), shared by the processes of this node (torchrun's
+    LOCAL_WORLD_SIZE).
+
+    Cores shared with other work: OpenMP's threads wait for each other by spinning, and a thread whose
+    core another process holds makes the others spin for a whole time slice, at every small operation
+    (a tiny model's update ran 6x slower than on one thread). The scripts therefore set
+    OMP_WAIT_POLICY=PASSIVE before torch loads (a waiting thread sleeps; measured with 5 busy processes
+    on 2 cores: small products 90x faster than spinning, large ones no slower); an OMP_WAIT_POLICY of
+    your own is kept. --threads 1 avoids the waiting altogether."""
     if threads:
         return threads
     cores = (os.cpu_count() or 2) - (1 if leave_one else 0)

@@ -143,21 +143,36 @@ class HFEngine:
             return None
 
     def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept=None):
+        """One batch: the prompts left-padded into one block (prefill), then one token per row per model
+        call until every row has sampled a stop id (decode), then each row cut after its stop id."""
         model = self.model
-        device = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        try:
+            step, cache = self._prefill(prompts, max_new_tokens, kept)
+            new_ids, new_lps = self._decode(step, cache, max_new_tokens, stop_ids, temperature, top_p, generator)
+        finally:
+            model.train(was_training)
+        out = self._cut_at_stop(new_ids, new_lps, stop_ids)
+        rows = None
+        if self.static_cache and step["cache"] is not None and hasattr(step["cache"], "layers"):
+            # every id but the last sampled one went through the model: its keys and values are in the cache
+            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": step["cache"], "b": b,
+                     "start": step["starts"][b]} for b, (p, s) in enumerate(zip(prompts, out))]
+        return out, rows
+
+    def _prefill(self, prompts, max_new_tokens, kept):
+        """The first model call's inputs: prompts left-padded so that every row's next token goes at column
+        L, and the cache, seeded with the kept keys and values of reused prefixes when there are any."""
+        device = next(self.model.parameters()).device
         B, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, L), dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every row's next token goes at column L
+        for b, p in enumerate(prompts):
             ids[b, L - len(p):] = torch.tensor(p)
             attn[b, L - len(p):] = 1
         ids, attn = ids.to(device), attn.to(device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        stop = torch.tensor(stop_ids, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        new_ids, new_lps = [], []
         starts = [L - len(p) for p in prompts]
         # Encode columns [first, L): all of them, or only those past the longest reused prefix's end.
         # A row whose reuse ends earlier re-encodes a few of its kept tokens, to the same keys and values.
@@ -175,58 +190,65 @@ class HFEngine:
             cache = self._static_cache(L + max_new_tokens)
         self.reused_tokens += sum(first - s for s in starts if s < first)
         self.encoded_tokens += sum(L - max(s, first) for s in starts)
-        step_ids, step_pos, cache_pos = ids[:, first:], pos[:, first:], torch.arange(first, L, device=device)
+        step = {"ids": ids[:, first:], "pos": pos[:, first:], "attn": attn, "cache": cache, "starts": starts,
+                "cache_pos": torch.arange(first, L, device=device)}
+        return step, cache
+
+    def _decode(self, step, cache, max_new_tokens, stop_ids, temperature, top_p, generator):
+        """Model calls until every row has sampled a stop id or max_new_tokens: (B, n) ids and their
+        sampler log-probs; a row that has stopped samples pad from then on (its attention ignores it)."""
+        device = step["ids"].device
+        stop = torch.tensor(stop_ids, device=device)
+        done = torch.zeros(step["ids"].shape[0], dtype=torch.bool, device=device)
+        ids, pos, attn, cache_pos = step["ids"], step["pos"], step["attn"], step["cache_pos"]
         keep_last = self._keeps_last_logits()
+        new_ids, new_lps = [], []
         for _ in range(max_new_tokens):
             kw = {} if cache is None else {"cache_position": cache_pos}
             if keep_last:  # the LM head on the last position only: a prompt's other logits are never read,
                 kw["logits_to_keep"] = 1  # and with a 49k-token vocabulary they cost a fifth of a prefill
-            o = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
-                      use_cache=True, **kw)
-            cache = o.past_key_values
+            o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                           use_cache=True, **kw)
+            cache = step["cache"] = o.past_key_values
             cache_pos = cache_pos[-1:] + 1
-            logits = o.logits[:, -1].float()  # (B, V)
-            if temperature > 0:
-                logits = logits / temperature
-            logp = torch.log_softmax(logits, -1)
-            if temperature <= 0:
-                nxt = logp.argmax(-1)
-            else:
-                probs = logp.exp()
-                if top_p < 1.0:
-                    probs = _top_p_filter(probs, top_p)
-                if generator is not None and generator.device.type != probs.device.type:  # a CPU generator: slower
-                    nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
-                else:
-                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+            nxt, lp = _sample(o.logits[:, -1].float(), temperature, top_p, generator)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             new_ids.append(nxt)
             new_lps.append(lp)
             done = done | torch.isin(nxt, stop)
             if bool(done.all()):
                 break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # finished rows: ignored
-            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-        model.train(was_training)
-        new_ids_t, new_lps_t = torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
-        stop_set = set(stop_ids)
-        out = []
-        for b in range(B):
-            ids_b, lps_b = [], []
-            for t in range(new_ids_t.shape[1]):
-                tok = int(new_ids_t[b, t])
-                ids_b.append(tok)
-                lps_b.append(float(new_lps_t[b, t]))
-                if tok in stop_set:
-                    break
-            out.append(Sample(ids_b, lps_b, bool(ids_b) and ids_b[-1] in stop_set))
-        rows = None
-        if self.static_cache and cache is not None and hasattr(cache, "layers"):
-            # every id but the last sampled one went through the model: its keys and values are in the cache
-            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": cache, "b": b, "start": starts[b]}
-                    for b, (p, s) in enumerate(zip(prompts, out))]
-        return out, rows
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            ids, pos = nxt[:, None], pos[:, -1:] + 1
+        return torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
+
+    @staticmethod
+    def _cut_at_stop(new_ids: torch.Tensor, new_lps: torch.Tensor, stop_ids) -> list[Sample]:
+        """Each row's ids up to and including its first stop id (the pads after it dropped)."""
+        stop_set, out = set(stop_ids), []
+        for ids_row, lps_row in zip(new_ids.tolist(), new_lps.tolist()):
+            n = next((t + 1 for t, tok in enumerate(ids_row) if tok in stop_set), len(ids_row))
+            out.append(Sample(ids_row[:n], lps_row[:n], n > 0 and ids_row[n - 1] in stop_set))
+        return out
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from fp32 logits (B, V), and its log-prob under log softmax(logits / T), before
+    top-p truncation (the trainer's side computes the same); temperature 0 is greedy."""
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1)
+    if temperature <= 0:
+        nxt = logp.argmax(-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            probs = _top_p_filter(probs, top_p)
+        if generator is not None and generator.device.type != probs.device.type:  # a CPU generator: slower
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+        else:
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

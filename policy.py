@@ -5,6 +5,8 @@ start lives here; where a model comes from (a folder, a hub name, a built-in nam
 
 - `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its eos.
 - `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
+- `resolve_dtype` / `Precision`: --dtype auto|fp32|bf16; with bf16, forward, backward and generation run
+  on a bf16 copy of the weights while the optimizer keeps fp32 master weights (what FSDP does on CUDA).
 - `Critic`: a value head on a copy of the policy's transformer body (PPO).
 - `token_logprobs`: the trainer's side of the sampler's tempered log-probs, (b, T-1), computing the LM
   head on the sampled positions only.
@@ -13,6 +15,7 @@ start lives here; where a model comes from (a folder, a hub name, a built-in nam
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -49,6 +52,65 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float3
         _register_grouped_sdpa()
         model.set_attn_implementation("grouped_sdpa")
     return model
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): there a bf16 matrix
+    product runs 4-6x faster than fp32; elsewhere bf16 is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: no way to tell cheaply, so no
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+MIN_BF16_PARAMS = 10_000_000  # below this, matrices are too small for bf16 to pay (the built-in tiny model: 1.7M)
+
+
+def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> torch.dtype:
+    """--dtype: `fp32`, `bf16`, or `auto`: bf16 on CUDA and on CPUs with native bf16 (cpu_has_bf16) for a
+    model of at least MIN_BF16_PARAMS parameters, fp32 otherwise."""
+    if name == "auto":
+        kind = torch.device(device).type
+        fast = kind == "cuda" or (kind == "cpu" and cpu_has_bf16())
+        big = model is None or sum(p.numel() for p in model.parameters()) >= MIN_BF16_PARAMS
+        return torch.bfloat16 if fast and big else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: expected auto, fp32 or bf16")
+    return DTYPES[name]
+
+
+class Precision:
+    """fp32 master weights and the copy that computes.
+
+    With `dtype` float32 the master computes itself (`model` is `master`) and every method is a no-op.
+    With bf16, `model` is a bf16 copy: the forward, the backward and generation run on it (activations,
+    KV cache and gradients in bf16; log-softmax and losses in fp32, as token_logprobs and the engine do),
+    while the optimizer, gradient clipping and checkpoints use the fp32 `master`: bf16 weights would
+    round most small updates away. After each backward `collect_grads` adds the copy's gradients into
+    the master's (in fp32, so micro-batches accumulate without bf16 rounding); after each optimizer step
+    `sync` rounds the master into the copy. This is FSDP's mixed precision (param_dtype bf16,
+    fp32 shards and optimizer) on one process."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype = torch.float32):
+        self.master, self.dtype = master, dtype
+        self.model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+        self._pairs = [] if self.model is master else list(zip(master.parameters(), self.model.parameters()))
+
+    def collect_grads(self) -> None:
+        for m, c in self._pairs:
+            if c.grad is not None:
+                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
+                c.grad = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for m, c in self._pairs:
+            c.copy_(m)
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kw):
@@ -99,16 +161,17 @@ class Critic(torch.nn.Module):
         return v.squeeze(-1).float().clone()  # (B, T); not a view, which FSDP warns about as a module's output
 
 
-def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False) -> torch.nn.Module:
+def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False,
+            dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A model for the trainer: activations recomputed in the backward with `grad_checkpointing`; on the
     device in float32 (master weights, whatever the checkpoint's dtype: bf16 weights would round most
-    small updates away; FSDP computes in bf16 on CUDA); under torchrun sharded at once, so that no more
-    than one full copy is ever on a GPU."""
+    small updates away; `Precision` gives the bf16 copy that computes); under torchrun sharded at once,
+    so that no more than one full copy is ever on a GPU, FSDP computing in `dtype` on CUDA."""
     if grad_checkpointing:
         (m.body if isinstance(m, Critic) else m).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     m = m.to(device=device, dtype=torch.float32)
-    return shard_model(m, device) if world_size() > 1 else m
+    return shard_model(m, device, dtype) if world_size() > 1 else m
 
 
 def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
@@ -156,30 +219,33 @@ _HEAD_SPLIT: dict = {}
 
 def _head_split_ok(model) -> bool:
     """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), on a short input."""
-    key = type(model)
+    dtype = next(model.parameters()).dtype
+    key = (type(model), dtype)
     if key not in _HEAD_SPLIT:
         try:
             with torch.no_grad():
                 x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
                 full = model(input_ids=x).logits[:, :-1]
                 split = _masked_logits_of(model)(input_ids=x)
-            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=1e-4, rtol=1e-3))
+            tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
         except Exception:  # no base_model / output embeddings in the usual places
             _HEAD_SPLIT[key] = False
     return _HEAD_SPLIT[key]
 
 
-def shard_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard_model(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it runs
     and freed after it (and again in the backward), then the root (embeddings, final norm, LM head or
     value head), which keeps its weights from the forward to the backward. On CUDA the units compute in
-    bf16 from fp32 master shards and reduce gradients in fp32; on CPU everything is fp32."""
+    `dtype` (bf16 unless --dtype fp32) from fp32 master shards and reduce gradients in fp32; on CPU
+    everything is fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (world_size(),))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
-          else MixedPrecisionPolicy())
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+          if device.type == "cuda" and dtype != torch.float32 else MixedPrecisionPolicy())
     layer_classes = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
     for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)

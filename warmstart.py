@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from agents import GUESS_THOUGHT, STALL_THOUGHT, opens_by_guessing, react_reply
 from env_client import Step, spread
-from policy import load_model, load_tokenizer, pad_id, token_logprobs
+from policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs
 from rollout import ChatFormat, Reply, RolloutConfig, Trajectory, build_batch, is_success, length_buckets, rollout
 
 
@@ -175,11 +175,12 @@ def warmup_cosine(i: int, total: int, warmup: float = 0.05) -> float:
 
 def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: float = 1e-4,
         micro_batch_tokens: int = 8192, batch_size: int = 16, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
-        seed: int = 0, progress: bool = True) -> list[float]:
+        seed: int = 0, progress: bool = True, dtype: torch.dtype = torch.float32) -> list[float]:
     """Supervised fine-tuning: token-mean cross-entropy over the loss_mask = 1 tokens (the replies and
     their end-of-turn tokens), AdamW, `batch_size` trajectories per optimizer step, micro-batched by
-    length, with a warm-up + cosine learning-rate schedule. Returns the mean loss of each epoch
-    (measured on the fly, before each step's update)."""
+    length, with a warm-up + cosine learning-rate schedule. `model` holds fp32 weights; with `dtype`
+    bf16 the forward and backward run on a bf16 copy (policy.Precision). Returns the mean loss of each
+    epoch (measured on the fly, before each step's update)."""
     assert trajectories, "sft needs at least one trajectory"
     device = next(model.parameters()).device
     batch = build_batch(trajectories, pad_id(tokenizer))
@@ -188,6 +189,7 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     rng = random.Random(seed)
     model.train()
+    prec = Precision(model, dtype)
     B = len(trajectories)
     total = epochs * -(-B // batch_size)  # optimizer steps in all
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: warmup_cosine(i, total))
@@ -205,12 +207,14 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
                 idx = [mini[i] for i in idx_local]
                 mb = micro_rows(batch, idx, device)
                 m = mb["loss_mask"][:, 1:]
-                lp, _ = token_logprobs(model, mb, temperature=1.0, mask=m)  # (b, T-1), 0 where m = 0
+                lp, _ = token_logprobs(prec.model, mb, temperature=1.0, mask=m)  # (b, T-1), 0 where m = 0
                 nll = -(torch.where(m > 0, lp, 0.0)).sum()
                 (nll / n_tokens).backward()  # micro-batches add up to the mini-batch's token mean
+                prec.collect_grads()
                 nll_sum, tok_sum = nll_sum + float(nll.detach()), tok_sum + float(m.sum())
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
+            prec.sync()
             sched.step()
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{nll_sum / max(tok_sum, 1.0):.4f}")

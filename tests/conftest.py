@@ -1,6 +1,8 @@
 import http.client
 import json
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scripts do: cli.cpu_threads says why
 import sys
 from urllib.parse import urlsplit
 

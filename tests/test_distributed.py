@@ -16,6 +16,7 @@ from conftest import ROOT
 import algos
 import models
 import policy
+from policy import Precision
 import train
 from rollout import Trajectory
 
@@ -120,7 +121,8 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
-    run = SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=0, device=torch.device("cpu"))
+    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
+                          device=torch.device("cpu"))
     stats = train.update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

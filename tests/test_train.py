@@ -13,6 +13,7 @@ from conftest import ROOT
 
 import models
 import policy
+from policy import Precision
 import train
 import warmstart
 from env_client import spread
@@ -37,7 +38,7 @@ def run_train(args, cache_dir, check=True):
 
 def update_run(cfg, model, optims, pad, critic=None, ref=None):
     """What train.update reads of a run (train.Run), for calling it on a model directly."""
-    return SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=pad,
+    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=pad,
                            device=torch.device("cpu"))
 
 

@@ -15,6 +15,7 @@ from conftest import ROOT
 from test_distributed import fixed_trajectories
 
 import policy
+from policy import Precision
 import train
 from engines import HFEngine
 from tiny_model import build_model
@@ -56,7 +57,7 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
     optims = {"policy": torch.optim.SGD(model.parameters(), lr=lr)}
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=lr)
-    return SimpleNamespace(cfg=cfg, model=model, ref=ref, critic=critic, optims=optims, pad=0,
+    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
                            device=torch.device("cpu"))
 
 

@@ -42,8 +42,15 @@ def read_run(run_dir: str) -> dict:
     return {"steps": [r["step"] for r in rows], "success_rate": [r["success_rate"] for r in rows],
             "reward_mean": [r["reward_mean"] for r in rows], "max_turns": [r["max_turns"] for r in rows],
             "guess_share": [r.get("guess_share", 0.0) for r in rows],  # runs from before the metric: 0
+            # how far each update moved the policy, and the share of groups with a signal (nan: not logged)
+            "update_kl": [nan_if_none(r.get("update_kl")) for r in rows],
+            "groups_informative": [nan_if_none(r.get("groups_informative")) for r in rows],
             "eval_steps": [r["step"] for r in evals], "eval_success": [r["success_rate"] for r in evals],
             "config": config}
+
+
+def nan_if_none(x) -> float:
+    return float("nan") if x is None else float(x)
 
 
 def stages(steps: list[int], max_turns: list[int]) -> list[tuple[int, int, int]]:
@@ -87,6 +94,10 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
         panels.insert(1, ("eval_success", "held-out success"))
     if any(any(r["guess_share"]) for r in runs):  # the built-in warm start's habit, unlearned
         panels.append(("guess_share", "share opening with the habit\n(a guess or a stall)"))
+    for key, title in (("groups_informative", "informative groups\n(scores differ)"),
+                       ("update_kl", "update KL per token\n(before || after, log)")):
+        if any(v == v for r in runs for v in r[key]):  # any run that logged it (nan != nan)
+            panels.append((key, title))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True)
     run_stages = [stages(r["steps"], r["max_turns"]) for r in runs]
     shaded = next((i for i, st in enumerate(run_stages) if len(st) > 1), 0)
@@ -104,6 +115,10 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
                     ax.axvline(a - 0.5, color=c, linestyle=":", linewidth=1)
             if key == "eval_success":  # a few points: drawn as they are
                 ax.plot(r["eval_steps"], r[key], color=c, linewidth=2, marker="o", label=name)
+                continue
+            if key == "update_kl":  # spans decades, and a single step that moved far is the point: raw, log scale
+                ax.plot(r["steps"], r[key], color=c, linewidth=2, marker=".", label=name)
+                ax.set_yscale("log")
                 continue
             ax.plot(r["steps"], r[key], color=c, alpha=0.25, linewidth=1)
             ax.plot(r["steps"], smooth(r[key], window), color=c, linewidth=2, label=name)

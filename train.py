@@ -75,13 +75,17 @@ class Config:
                                 "1 down to --lr/steps at the last (lr_at)", choices=["none", "linear", "cosine"])
     weight_decay: float = arg(0.0, "AdamW weight decay")
     ppo_epochs: int = arg(1, "passes over each batch")
-    mini_batch_size: int | None = arg(None, "trajectories per optimizer step (default: the whole batch)")
+    mini_batch_size: int | None = arg(None, "trajectories per optimizer step (default: the whole batch; with --model a "
+                                            "quarter of it, so that the PPO ratio leaves 1 and clipping binds)")
+    warmup_steps: int | None = arg(None, "steps over which the learning rate rises linearly to --lr (default: 3 with "
+                                         "--model, 0 for the tiny model)")
     micro_batch_tokens: int = arg(16384, "padded tokens per forward/backward pass")
     clip_low: float = arg(0.2, "PPO ratio clip below 1")
     clip_high: float = arg(0.2, "PPO ratio clip above 1")
     dual_clip: float | None = arg(None, "dual-clip constant (> 1) for negative advantages")
     value_clip: float = arg(0.2, "critic value clip (PPO)")
-    kl_coef: float = arg(0.0, "KL-to-reference loss coefficient (0: no reference model)")
+    kl_coef: float | None = arg(None, "KL-to-reference loss coefficient (default: 0.001 with --model, the paper's k3 "
+                                      "setting; 0 for the tiny model; 0: no reference model)")
     kl_kind: str = arg("k3", "KL estimator", choices=["k1", "k2", "k3"])
     entropy_coef: float = arg(0.0, "entropy bonus coefficient")
     gamma: float = arg(1.0, "discount over sampled tokens (REINFORCE++, PPO)")
@@ -90,6 +94,12 @@ class Config:
     loss_agg: str = arg("seq_mean_token_mean", "loss aggregation", choices=list(algos.AGG_MODES))
     tis_cap: float | None = arg(None, "truncated importance sampling: weight each token's policy loss by "
                                       "min(pi_old / pi_sampler, C), this C (absent: off)")
+    max_update_kl: float | None = arg(None, "guard: a step whose update_kl (KL(before || after) per sampled token) "
+                                            "passes this halves the learning rate from the next step on (default: "
+                                            "0.01 with --model; 0: off)")
+    dynamic_sampling: bool | None = arg(None, "replace groups whose trajectories all scored the same by fresh tasks, so "
+                                              "that every update sees informative groups (default: on with --model)")
+    max_resample: int = arg(2, "dynamic sampling: at most this many extra rollout rounds per step")
     grad_checkpointing: bool = arg(False, "recompute activations in the backward (less memory, ~30% slower)")
     # Agent (agents.py)
     agent: str = arg("react", "agent scheme (agents.SCHEMES): react (Thought/Action), plan (plan first, then act), "
@@ -152,7 +162,13 @@ def parse_args(argv=None) -> Config:
               (cfg.env_timeout > 0, "--env-timeout must be a positive number of seconds"),
               (0 <= cfg.max_env_error_share < 1, "--max-env-error-share must be in [0, 1)"),
               (cfg.env_error_patience >= 1, "--env-error-patience must be at least 1"),
-              (cfg.env_wait >= 0, "--env-wait must be 0 or more")]
+              (cfg.env_wait >= 0, "--env-wait must be 0 or more"),
+              (cfg.kl_coef is None or cfg.kl_coef >= 0, "--kl-coef must be 0 or more"),
+              (cfg.warmup_steps is None or cfg.warmup_steps >= 0, "--warmup-steps must be 0 or more"),
+              (cfg.max_update_kl is None or cfg.max_update_kl >= 0, "--max-update-kl must be 0 (off) or more"),
+              (cfg.max_resample >= 0, "--max-resample must be 0 or more"),
+              (not (cfg.dynamic_sampling and world > 1), "--dynamic-sampling runs in one process only (not under "
+                                                         "torchrun)")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -168,8 +184,19 @@ def parse_args(argv=None) -> Config:
               f"stages of --schedule {cfg.schedule}; the later horizons are never played", file=sys.stderr)
     if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f)) for f in RUN_FILES):
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to continue that one")
+    real = cfg.model is not None  # a real model: the trust-region defaults (README, "A real model")
     if cfg.lr is None:
-        cfg.lr = 1e-6 if cfg.model else 3e-4
+        cfg.lr = 1e-6 if real else 3e-4
+    if cfg.kl_coef is None:
+        cfg.kl_coef = 0.001 if real else 0.0
+    if cfg.warmup_steps is None:
+        cfg.warmup_steps = 3 if real else 0
+    if cfg.max_update_kl is None:
+        cfg.max_update_kl = 0.01 if real else 0.0
+    if cfg.dynamic_sampling is None:
+        cfg.dynamic_sampling = real and world == 1
+    if cfg.mini_batch_size is None and real:
+        cfg.mini_batch_size = max(world, cfg.batch_size * cfg.group_size // 4 // world * world)
     return cfg
 
 
@@ -208,6 +235,7 @@ class Run:
     evals: list = dataclasses.field(default_factory=list)  # the held-out evaluations so far
     safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as they are
     saved: int = 0  # the step of the checkpoint on disk
+    lr_scale: float = 1.0  # halved by the --max-update-kl guard
 
 
 def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
@@ -264,6 +292,7 @@ def resume(run: Run, ckpt: str) -> None:
     run.prec.sync()
     run.schedule.load_state_dict(st["schedule"])
     run.data_rng.setstate(st["data_rng"])
+    run.lr_scale = st.get("lr_scale", 1.0)
     rngs = st["rank_rngs"]
     if len(rngs) == world and st["device_type"] == run.sample_gen.device.type:
         run.sample_gen.set_state(rngs[rank]["sample_gen"])
@@ -293,14 +322,57 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
     chosen = run.data_rng.sample(run.train_ids, min(cfg.batch_size, len(run.train_ids)))
     item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
     t0 = time.time()
-    with generating(run.engine, run.prec.model):
-        trajs = rollout(EnginePolicy(run.engine, run.fmt, rcfg, run.sample_gen), run.pool, cfg.env, item_ids, groups,
-                        rcfg, fmt=run.fmt, agent=cfg.agent)
+
+    def play_groups(item_ids, groups):
+        with generating(run.engine, run.prec.model):
+            return rollout(EnginePolicy(run.engine, run.fmt, rcfg, run.sample_gen), run.pool, cfg.env, item_ids,
+                           groups, rcfg, fmt=run.fmt, agent=cfg.agent)
+
+    trajs = play_groups(item_ids, groups)
     everyone = all_gather_list(trajs)
+    m = rollout_metrics(everyone, K, 0.0)  # outcomes of the step's own tasks, with or without resampling
+    if cfg.dynamic_sampling:
+        trajs, extra = resample(run, trajs, play_groups)
+        everyone = everyone + extra
+        m.update(resampled_groups=len({t.group for t in extra}), trained_groups=len({t.group for t in trajs}))
     time_rollout = time.time() - t0
+    m.update(time_rollout_s=time_rollout,
+             tokens_per_s=sum(sum(t.loss_mask) for t in everyone) / max(time_rollout, 1e-9))
     if rank == 0:
         write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
-    return trajs, everyone, rollout_metrics(everyone, K, time_rollout)
+    return trajs, everyone, m
+
+
+def informative_groups(trajs: list[Trajectory]) -> set[int]:
+    """Groups whose trajectories (env errors left out) did not all score the same: the only ones whose
+    GRPO/RLOO advantages are not all 0."""
+    scores: dict = {}
+    for t in trajs:
+        if t.status != "env_error":
+            scores.setdefault(t.group, set()).add(t.reward)
+    return {g for g, s in scores.items() if len(s) > 1}
+
+
+def resample(run: Run, trajs: list[Trajectory], play_groups) -> tuple[list[Trajectory], list[Trajectory]]:
+    """Dynamic sampling (DAPO): the groups whose scores all tie are dropped and fresh tasks are played in
+    their place, up to --max-resample extra rounds, so that the update sees --batch-size informative
+    groups (fewer when the rounds run out). Returns (the trajectories to train on, the extra ones played)."""
+    cfg = run.cfg
+    keep = informative_groups(trajs)
+    kept = [t for t in trajs if t.group in keep]
+    extra, next_group = [], max(t.group for t in trajs) + 1
+    for _ in range(cfg.max_resample):
+        missing = cfg.batch_size - len({t.group for t in kept})
+        if missing <= 0:
+            break
+        fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
+        item_ids, groups = rank_items(fresh, len(fresh), cfg.group_size)
+        got = play_groups(item_ids, [next_group + g for g in groups])
+        next_group += len(fresh)
+        extra += got
+        keep = informative_groups(got)
+        kept += [t for t in got if t.group in keep]
+    return kept, extra
 
 
 def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
@@ -308,6 +380,7 @@ def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dic
     statuses and speed over all of them."""
     kept = [t for t in trajs if t.status != "env_error"]
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    groups = {t.group for t in kept}
     statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
     n = max(1, len(kept))
     return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
@@ -315,6 +388,7 @@ def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dic
             **{f"status_{k}": v for k, v in statuses.items()},
             "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
+            "groups_informative": len(informative_groups(kept)) / max(1, len(groups)),
             "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
 
 
@@ -386,7 +460,7 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
     # loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch per token.
     acc = dict.fromkeys(("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
                          "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real"), 0.0)
-    grad_norms = []
+    grad_norms, before = [], []  # before: the first pass's rows and their log-probs before any update
     mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # trajectories per rank per step
     n_minis = all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
@@ -399,7 +473,10 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
             live = [i for i in mini if i not in idle]  # the denominator above still counts the idle rows
             buckets = [[live[i] for i in b] for b in length_buckets([lengths[i] for i in live], cfg.micro_batch_tokens)]
             for idx in in_step(buckets):
-                micro_step(run, batch, mask, targets, idx, denominator, acc, first=epoch == 0 and s == 0)
+                first = epoch == 0 and s == 0  # no optimizer step yet
+                lp = micro_step(run, batch, mask, targets, idx, denominator, acc, first)
+                if first and not before:
+                    before.append((idx, lp))
             if not buckets and world == 1:  # every row idle: the zero gradient computing them would give
                 for p in run.model.parameters():
                     p.grad = torch.zeros_like(p)
@@ -412,7 +489,28 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
     out = update_metrics(dict(zip(acc, all_sum(list(acc.values())))), cfg.ppo_epochs * n_minis, grad_norms,
                          run.critic is not None)
     out["idle_rows"] = all_sum([float(len(idle))])[0]
+    out["update_kl"] = update_kl(run, batch, mask, before)
     return out
+
+
+def update_kl(run: Run, batch: dict, mask: torch.Tensor, before: list) -> float:
+    """How far this step's update moved the policy: KL(before || after) per sampled token, the k3
+    estimate on the tokens of the first micro-batch (they were sampled from the policy before the
+    update), from their log-probs before the update (kept by the first pass) and after it (one more
+    forward, without gradients). Measured by the trainer on both sides: the sampler's own rounding is
+    not in it (logprob_diff is)."""
+    kl_sum, tokens = 0.0, 0.0
+    for idx, lp_before in before:  # one pass per rank: FSDP's forward is a collective
+        T = lp_before.shape[1] + 1
+        m = mask[idx, :T - 1]
+        with torch.no_grad():
+            lp_after, _ = token_logprobs(run.prec.model, {k: v[:, :T] for k, v in rows_of(batch, idx).items()},
+                                         run.cfg.temperature, mask=m)
+        sel = m > 0
+        kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
+        tokens += float(sel.sum())
+    kl_sum, tokens = all_sum([kl_sum, tokens])
+    return kl_sum / tokens if tokens else None  # None: the first mini-batch held only rows without signal
 
 
 def idle_rows(run: Run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
@@ -426,9 +524,10 @@ def idle_rows(run: Run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[in
 
 
 def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denominator: float, acc: dict,
-               first: bool) -> None:
+               first: bool) -> torch.Tensor:
     """Forward and backward of one micro-batch (rows `idx`): clipped policy loss, entropy bonus, KL to the
-    reference, the critic's value loss; the weighted losses and statistics are added to `acc`."""
+    reference, the critic's value loss; the weighted losses and statistics are added to `acc`. Returns
+    the rows' log-probs (b, T-1), detached."""
     cfg, world = run.cfg, world_size()
     B = batch["input_ids"].shape[0] - (world > 1)  # the trajectories; under torchrun row B is the blank one
     T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
@@ -456,7 +555,7 @@ def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denom
     for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
         acc[k] += share * float(val.detach())
     if idx == [B]:  # a blank pass: nothing to count
-        return
+        return lp.detach()
     acc["padded"] += len(idx) * T
     acc["real"] += int(batch["attention_mask"][idx].sum())
     acc["micro_batches"] += 1
@@ -467,6 +566,7 @@ def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denom
         acc["logprob_diff"] += float((lp.detach() - mb_sampler).abs()[sel].sum())
         acc["logprob_kl"] += float(algos.kl_penalty(mb_sampler, lp.detach(), "k3", None)[sel].sum())
         acc["mismatch_tokens"] += float(sel.sum())
+    return lp.detach()
 
 
 def update_metrics(tot: dict, n_steps: int, grad_norms: list[float], critic: bool) -> dict:
@@ -483,11 +583,22 @@ def update_metrics(tot: dict, n_steps: int, grad_norms: list[float], critic: boo
 def set_lr(run: Run, step: int) -> float:
     """Put this step's learning rates (lr_at) into the optimizers; returns the policy's."""
     cfg = run.cfg
-    share = lr_at(step, cfg.steps, cfg.lr_decay)
+    share = lr_at(step, cfg.steps, cfg.lr_decay, cfg.warmup_steps or 0) * run.lr_scale
     for name, o in run.optims.items():
         for g in o.param_groups:
             g["lr"] = share * (cfg.lr if name == "policy" else cfg.critic_lr)
     return share * cfg.lr
+
+
+def guard(run: Run, step: int, m: dict) -> None:
+    """--max-update-kl: a step whose update moved the policy further than the bound halves the learning
+    rate of the steps after it (run.lr_scale, kept in checkpoints)."""
+    bound = run.cfg.max_update_kl
+    if bound and m.get("update_kl") is not None and m["update_kl"] > bound:
+        run.lr_scale *= 0.5
+        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl {bound:g}: learning rate halved "
+                   f"to {run.lr_scale:g} x the schedule's from step {step + 1}")
+    m["lr_scale"] = run.lr_scale
 
 
 def train_step(run: Run, step: int, intr: Interrupts) -> dict:
@@ -495,14 +606,14 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
     cfg = run.cfg
     trajs, everyone, m = play(run, step)
     kept = [t for t in trajs if t.status != "env_error"]  # infrastructure failures are not rewards
-    errors = m["status_env_error"]
+    errors, played = m["status_env_error"], sum(v for k, v in m.items() if k.startswith("status_"))
     # Too many env errors: what is left is a biased sample (say, only the short episodes); not trained on.
-    m["bad"] = errors > cfg.max_env_error_share * len(everyone)
+    m["bad"] = errors > cfg.max_env_error_share * played
     if not m["bad"]:  # a plateau schedule watches success; a biased sample would mislead it
         run.schedule.observe(step, m["success_rate"])
     with intr.critical():  # a signal here waits: never save half an update
         t1 = time.time()
-        if len(everyone) > errors and not m["bad"]:  # collective: every rank, even one without a trajectory
+        if played > errors and not m["bad"] and (kept or world_size() > 1):  # collective under torchrun
             m["lr"] = set_lr(run, step)
             torch.set_num_threads(run.update_threads)
             try:
@@ -510,7 +621,8 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
             finally:
                 torch.set_num_threads(run.threads)
         m["time_update_s"] = time.time() - t1
-        m["skipped_update"] = int(m["bad"] or len(everyone) == errors)
+        m["skipped_update"] = int("loss" not in m)
+        guard(run, step, m)
         m["time_sync_s"] = float(run.engine.sync_weights(run.prec.model) or 0.0)  # HF: the same module, nothing to copy
         if run.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(run.device) / 2**20
@@ -518,6 +630,8 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
         if global_rank() == 0:
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({k: v for k, v in m.items() if k != "bad"}) + "\n")
+        run.safe = (step, snapshot(run))  # before the critical section ends: a signal held back by it is
+        # raised as it ends, and the checkpoint it saves must be this step's, whose weights these are
     m["first_error"] = next((t.error for t in everyone if t.status == "env_error"), None)
     return m
 
@@ -576,8 +690,7 @@ def loop(run: Run) -> dict:
                 for step in bar:
                     run.safe = (step - 1, snapshot(run))  # a stop in this step's rollout replays the step on resume
                     env_ready(run.server, run.url, cfg.env_wait if bad_steps else 0.0)
-                    last = train_step(run, step, intr)
-                    run.safe = (step, snapshot(run))
+                    last = train_step(run, step, intr)  # sets run.safe to this step once its update is made
                     bar.set_postfix(K=last["max_turns"], reward=f"{last['reward_mean']:.2f}",
                                     success=f"{last['success_rate']:.2f}")
                     bad_steps = bad_steps + 1 if last.pop("bad") else 0
@@ -625,12 +738,12 @@ def evaluate(run: Run, step: int) -> None:
 def snapshot(run: Run) -> dict:
     """What a run resumed after the last update needs besides weights and optimizer: the schedule and
     this rank's random streams (data order, sampling, torch)."""
-    return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(),
+    return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(), "lr_scale": run.lr_scale,
             "rng": {"sample_gen": run.sample_gen.get_state(), "torch_rng": torch.get_rng_state()}}
 
 
 def save(run: Run, step: int, snap: dict) -> None:
-    state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
+    state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"], "lr_scale": snap["lr_scale"],
              "rank_rngs": all_gather_list([snap["rng"]]), "device_type": run.sample_gen.device.type,
              "config": dataclasses.asdict(run.cfg)}
     save_checkpoint(run.cfg.out, run.model, run.tokenizer, run.critic, run.optims, state)

@@ -40,7 +40,8 @@ PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("turns_mean", "turns"),
-          ("max_turns", "horizon K")]
+          ("max_turns", "horizon K"), ("update_kl", "update KL (before || after)"),
+          ("groups_informative", "informative groups")]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -94,3 +94,27 @@ def test_missing_or_empty_metrics_names_the_folder(tmp_path):
     res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "empty" in res.stderr
+
+
+def test_update_kl_and_informative_groups_get_their_panels(tmp_path):
+    """Runs whose metrics carry update_kl and groups_informative (a step without an update logs no
+    update_kl: nan) add a panel each; older runs read as nan and add none."""
+    write_run(tmp_path / "new", [2] * 3, "2")
+    with open(tmp_path / "new" / "metrics.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    with open(tmp_path / "new" / "metrics.jsonl", "w") as f:
+        for row, kl in zip(rows, (1e-5, None, 3e-3)):
+            f.write(json.dumps({**row, "groups_informative": 0.5, **({"update_kl": kl} if kl else {})}) + "\n")
+    run = plot.read_run(str(tmp_path / "new"))
+    assert run["update_kl"][0] == 1e-5 and run["update_kl"][1] != run["update_kl"][1] and run["update_kl"][2] == 3e-3
+    write_run(tmp_path / "old", [2] * 3, "2")
+    import matplotlib.pyplot as plt
+    seen = []
+    real = plt.subplots
+    plt.subplots = lambda n, *a, **k: seen.append(n) or real(n, *a, **k)
+    try:
+        plot.plot([str(tmp_path / "new")], str(tmp_path / "n.png"))
+        plot.plot([str(tmp_path / "old")], str(tmp_path / "o.png"))
+    finally:
+        plt.subplots = real
+    assert seen == [4, 2] and (tmp_path / "n.png").read_bytes()[:4] == b"\x89PNG"

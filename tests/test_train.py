@@ -117,8 +117,16 @@ def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
     assert train.lr_at(12, 15, "cosine") < train.lr_at(12, 15, "linear")
     cfg = train.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
     optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for name in ("policy", "critic")}
-    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims), 3) == pytest.approx(5e-4)
+    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3) == pytest.approx(5e-4)
     assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
+    # the --max-update-kl guard's scale multiplies it
+    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3) == pytest.approx(2.5e-4)
+
+
+def test_warmup_rises_to_the_rate_then_follows_the_decay():
+    assert [train.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert train.lr_at(2, 10, "cosine", warmup=3) == pytest.approx(0.5 * train.lr_at(2, 10, "cosine"))
+    assert [train.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
 
 
 def test_uses_a_running_env_server(tmp_path, cache_dir):

@@ -1,0 +1,133 @@
+"""Replay one recorded step through the update under several settings: how far each moves the policy.
+
+    python bench/replay_step.py RUN --step 1 --try lr=1e-5,kl_coef=0 --try lr=1e-6 --try lr=1e-6,mini_batch_size=8
+
+The trajectories of RUN/rollouts/step_N.jsonl go through train.update once per setting, each time from
+the same starting weights (the run's initial policy, or --weights FOLDER such as a checkpoint's model/).
+A setting is a comma list of train.py fields (`lr`, `kl_coef`, `mini_batch_size`, `ppo_epochs`, ...) over
+the run's own config.json. For each it prints:
+- update_kl: KL(before || after) per sampled token of the step (the metric train.py logs each step);
+- the probe: mean NLL per token of expert trajectories on held-out tasks (--probe-tasks of the test
+  split), before and after: a rise means the update pushed the policy away from good behaviour that the
+  step's rows do not show;
+- clip_frac and grad_norm of the update.
+Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the sampler's
+at that step: replaying step 1 of a run from its initial weights is exact (ratio 1 at the start); a
+later step from the initial weights is an approximation (say which in what you report).
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+import train  # noqa: E402
+from cli import cpu_threads  # noqa: E402
+from models import resolve  # noqa: E402
+from policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs  # noqa: E402
+from rollout import ChatFormat, build_batch  # noqa: E402
+from sft import load_log  # noqa: E402
+
+
+def parse_setting(text: str) -> list[str]:
+    """'lr=1e-6,kl_coef=0' -> ['--lr', '1e-6', '--kl-coef', '0']."""
+    flags = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise SystemExit(f"--try {text!r}: expected field=value pairs, got {part!r}")
+        flags += [f"--{key.strip().replace('_', '-')}", value.strip()]
+    return flags
+
+
+def probe_rows(cfg, fmt, n: int):
+    """Expert trajectories on n held-out tasks (the env's test split), or [] when the env has no expert."""
+    from env_server import get_env_class
+    from warmstart import expert_trajectories
+
+    cls = get_env_class(cfg.env)
+    test = list(cls.splits(cls.load_world(None)).get("test", []))[:n]
+    try:
+        return expert_trajectories(cfg.env, test, fmt, max_turns=30, progress=False) if test else []
+    except (NotImplementedError, AttributeError):
+        return []
+
+
+def probe_nll(model, rows, pad: int, temperature: float) -> float:
+    if not rows:
+        return float("nan")
+    batch = build_batch(rows, pad)
+    mask = batch["loss_mask"][:, 1:]
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            mb = {k: batch[k][i:i + 1] for k in ("input_ids", "attention_mask", "position_ids")}
+            lp, _ = token_logprobs(model, mb, temperature, mask=mask[i:i + 1])
+            total, tokens = total - float(lp.sum()), tokens + float(mask[i].sum())
+    return total / max(tokens, 1.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder (config.json, rollouts/)")
+    p.add_argument("--step", type=int, default=1, help="the recorded step to replay")
+    p.add_argument("--try", dest="settings", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a setting to replay (repeatable); the run's own settings are always replayed first")
+    p.add_argument("--weights", default=None, help="starting weights (an HF folder); default: the run's initial policy")
+    p.add_argument("--probe-tasks", type=int, default=4, help="held-out tasks whose expert trajectories are the probe")
+    p.add_argument("--threads", type=int, default=0)
+    a = p.parse_args()
+    config = os.path.join(a.run, "config.json")
+    log = os.path.join(a.run, "rollouts", f"step_{a.step:06d}.jsonl")
+    for path, what in ((config, "config.json"), (log, f"the log of step {a.step}")):
+        if not os.path.exists(path):
+            raise SystemExit(f"replay_step.py: {a.run} has no {what} ({path})")
+    settings = [[]] + [parse_setting(s) for s in a.settings]
+    scratch = os.path.join(a.run, ".replay")  # parse_args wants an --out that holds no run; nothing is written
+    cfgs = [train.parse_args(["--config", config, "--out", scratch, "--eval-every", "0", *f]) for f in settings]
+    torch.set_num_threads(cpu_threads(a.threads, leave_one=False))
+    base = cfgs[0]
+    init = a.weights or resolve(base.model, base.env, base.cache_dir)
+    tok = load_tokenizer(init)
+    fmt, pad = ChatFormat(tok), pad_id(tok)
+    master0 = load_model(init)
+    trajs = load_log(log)
+    probe = probe_rows(base, fmt, a.probe_tasks)
+    print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, {sum(sum(t.loss_mask) for t in trajs)} sampled "
+          f"tokens; probe: {len(probe)} expert trajectories on held-out tasks; weights {init}")
+    print(f"{'setting':42s} {'update_kl':>10s} {'probe NLL':>19s} {'clip_frac':>9s} {'grad_norm':>9s} {'s':>5s}")
+    results = []
+    for flags, cfg in zip(settings, cfgs):
+        torch.manual_seed(cfg.seed)
+        master = copy.deepcopy(master0).train()
+        dtype = train.compute_dtype(cfg, torch.device("cpu"), master)
+        prec = Precision(master, dtype)
+        ref = Precision(copy.deepcopy(master0).eval(), dtype).model if cfg.kl_coef > 0 else None
+        run = SimpleNamespace(cfg=cfg, model=master, prec=prec, ref=ref, critic=None, pad=pad,
+                              device=torch.device("cpu"), lr_scale=1.0,
+                              optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
+                                                                  weight_decay=cfg.weight_decay)})
+        lr = train.set_lr(run, a.step)
+        before = probe_nll(prec.model, probe, pad, cfg.temperature)
+        t0 = time.time()
+        m = train.update(run, trajs)
+        after = probe_nll(prec.model, probe, pad, cfg.temperature)
+        name = " ".join(flags) or "(the run's own settings)"
+        kl = m["update_kl"]
+        print(f"{name[:42]:42s} {kl if kl is not None else float('nan'):10.2e} {before:8.4f} -> {after:8.4f} "
+              f"{m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {time.time() - t0:5.0f}", flush=True)
+        results.append({"setting": name, "lr": lr, "update_kl": kl, "probe_nll_before": before,
+                        "probe_nll_after": after, "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"]})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -58,7 +58,7 @@ def test_index_and_run_page_show_curves_and_steps(client):
     assert r.status_code == 200 and b'href="/run/0"' in r.data
     r = client.get("/run/0")
     html = r.get_data(as_text=True)
-    assert r.status_code == 200 and html.count("<svg") == 4 and "horizon K" in html
+    assert r.status_code == 200 and html.count("<svg") == 6 and "horizon K" in html and "update KL" in html
     for s in (1, 2, 3):
         assert f'href="/run/0/step/{s}"' in html
     assert "<td>0.5</td>" in html  # step 2's success rate, read from metrics.jsonl

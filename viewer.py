@@ -40,8 +40,8 @@ PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("turns_mean", "turns"),
-          ("max_turns", "horizon K"), ("update_kl", "update KL (before || after)"),
-          ("groups_informative", "informative groups")]
+          ("max_turns", "horizon K")]
+LOGGED_CURVES = [("update_kl", "update KL (before || after)"), ("groups_informative", "informative groups")]  # when logged
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -356,7 +356,8 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
         metrics = read_metrics(d)
         by_step = {m["step"]: m for m in metrics}
         xs = [m["step"] for m in metrics]
-        curves = [svg_curve(xs, [m.get(k) for m in metrics], title) for k, title in CURVES]
+        drawn = CURVES + [(k, t) for k, t in LOGGED_CURVES if any(k in m for m in metrics)]
+        curves = [svg_curve(xs, [m.get(k) for m in metrics], title) for k, title in drawn]
         evals = read_metrics(d, "eval.jsonl")
         if evals:  # the held-out evaluations train.py wrote (step 0 = before training)
             curves.insert(1, svg_curve([e["step"] for e in evals], [e.get("success_rate") for e in evals],

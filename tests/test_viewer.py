@@ -58,7 +58,7 @@ def test_index_and_run_page_show_curves_and_steps(client):
     assert r.status_code == 200 and b'href="/run/0"' in r.data
     r = client.get("/run/0")
     html = r.get_data(as_text=True)
-    assert r.status_code == 200 and html.count("<svg") == 6 and "horizon K" in html and "update KL" in html
+    assert r.status_code == 200 and html.count("<svg") == 4 and "horizon K" in html
     for s in (1, 2, 3):
         assert f'href="/run/0/step/{s}"' in html
     assert "<td>0.5</td>" in html  # step 2's success rate, read from metrics.jsonl
@@ -241,3 +241,15 @@ def test_browser_click_through_to_token_view(tmp_path):
         driver.quit()
         stop()
     assert os.path.getsize(os.path.join(artifacts, "viewer_trajectory.png")) > 1000
+
+
+def test_update_kl_and_informative_groups_are_drawn_when_logged(tmp_path):
+    import viewer
+    run = tmp_path / "r"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, "success_rate": 0.5, "update_kl": 1e-4 * step,
+                                "groups_informative": 0.25}) + "\n")
+    html = viewer.create_app([str(run)]).test_client().get("/run/0").get_data(as_text=True)
+    assert html.count("<svg") == 6 and "update KL" in html and "informative groups" in html

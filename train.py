@@ -434,10 +434,12 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
     def in_step(buckets: list[list[int]]) -> list[list[int]]:  # as many passes as the busiest rank
         return buckets + [[B]] * (all_max(len(buckets)) - len(buckets))
 
-    def passes(fn) -> torch.Tensor:  # fn(row indices) -> (b, T-1), for every row, by length buckets
+    def passes(fn, skip=frozenset()) -> torch.Tensor:  # fn(row indices) -> (b, T-1), by length buckets
         out = torch.zeros_like(mask)
+        rows = [i for i in range(B) if i not in skip]
         with torch.no_grad():
-            for idx in in_step(length_buckets(lengths[:B], cfg.micro_batch_tokens)):
+            for idx in in_step([[rows[j] for j in b] for b in length_buckets([lengths[i] for i in rows],
+                                                                             cfg.micro_batch_tokens)]):
                 out[idx] = fn(idx)
         return out
 
@@ -445,13 +447,15 @@ def update(run: Run, trajs: list[Trajectory]) -> dict:
     ref_lp = None
     if run.ref is not None:
         ref_lp = passes(lambda idx: token_logprobs(run.ref, rows_of(batch, idx), cfg.temperature, mask=mask[idx])[0])
-    # The PPO ratio's denominator: the sampler's log-probs when the sampler is this very model (HF
-    # generate), else (vLLM, or with --tis-cap) the trainer's own, recomputed before the update;
-    # truncated importance weights correct for the tokens having been drawn from the sampler.
+    # The PPO ratio's denominator: the sampler's log-probs when the sampler is this very model computing
+    # in fp32 (HF generate), else (vLLM, bf16, or with --tis-cap) the trainer's own, recomputed before
+    # the update: in bf16 a cached decode and a whole-row forward round differently (|diff| 0.04 per token
+    # on SmolLM2), which would start the ratio away from 1 and clip tokens the update never moved;
+    # truncated importance weights (--tis-cap) correct for the tokens having been drawn from the sampler.
     old_lp = sampler_lp
-    if cfg.tis_cap is not None or cfg.engine != "hf":
+    if cfg.tis_cap is not None or cfg.engine != "hf" or run.prec.dtype != torch.float32:
         old_lp = passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx), cfg.temperature,
-                                                   mask=mask[idx])[0])
+                                                   mask=mask[idx])[0], skip=idle_rows(run, adv, mask, B))
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
                "values": values, "returns": returns}

@@ -70,19 +70,50 @@ def test_expert_reply_ids_are_the_templates(tok):
     assert full[:len(prompt) + len(fmt.reply_ids(reply))] == prompt + fmt.reply_ids(reply)
 
 
+# (compute dtype, max |trainer - sampler| per token, mean): in fp32 both sides compute alike; in bf16 a
+# cached decode and a whole-row forward round differently through 30 layers (measured on TextCraft
+# openings: mean 0.04, max 0.23), which is why train.py recomputes the PPO ratio's old log-probs itself
+# in bf16 and logs logprob_diff every step.
+AGREEMENT = {"fp32": (2e-3, 2e-3), "bf16": (0.6, 0.1)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_sampler_and_the_trainer_agree(smollm2, tok, temperature):
-    model = policy.load_model(smollm2).eval()
+def test_the_sampler_and_the_trainer_agree(smollm2, tok, temperature, dtype):
+    model = policy.Precision(policy.load_model(smollm2), policy.DTYPES[dtype]).model.eval()
     fmt = ChatFormat(tok)
     prompts = [fmt.prompt_ids([{"role": "user", "content": c}]) for c in ("Say hello.", "Count to three, please.")]
     samples = HFEngine(model, policy.pad_id(tok)).generate(prompts, 8, fmt.stop_ids, temperature, 1.0,
                                                            torch.Generator().manual_seed(0))
+    worst, mean = AGREEMENT[dtype]
     for p, s in zip(prompts, samples):
         ids = torch.tensor([p + s.ids])
         mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.shape[1])[None]}
         with torch.no_grad():
             lp = policy.token_logprobs(model, mb, temperature)[0][0, len(p) - 1:]
-        assert (lp - torch.tensor(s.logprobs)).abs().max() < 2e-3, (lp, s.logprobs)
+        diff = (lp - torch.tensor(s.logprobs)).abs()
+        assert diff.max() < worst and diff.mean() < mean, (lp, s.logprobs)
+
+
+def test_bf16_rollouts_build_the_same_rows(textcraft_url, smollm2, tok):  # noqa: F811
+    """The bf16 engine's rows are built as fp32's are: each equals the chat template's ids over its
+    messages, and its mask covers exactly the sampled ids, whose sampler log-probs it keeps."""
+    from env_client import EnvPool
+    from rollout import EnginePolicy, RolloutConfig, rollout
+
+    model = policy.Precision(policy.load_model(smollm2), torch.bfloat16).model.eval()
+    fmt = ChatFormat(tok)
+    rcfg = RolloutConfig(max_turns=2, max_new_tokens=24)
+    with EnvPool(textcraft_url, 2) as pool:
+        trajs = rollout(EnginePolicy(HFEngine(model, policy.pad_id(tok)), fmt, rcfg, torch.Generator().manual_seed(0)),
+                        pool, "textcraft", [0, 1], [0, 1], rcfg, fmt=fmt)
+    for t in trajs:
+        assert t.template == "exact" and t.status in ("max_turns", "done")
+        full = fmt.encode(tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True))
+        assert full[:len(t.token_ids)] == t.token_ids
+        assert len(t.loss_mask) == len(t.token_ids) == len(t.logprobs)
+        assert sum(t.loss_mask) == sum(1 for lp, m in zip(t.logprobs, t.loss_mask) if m and lp <= 0.0)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
 
 
 def test_grouped_attention_is_transformers_attention_without_the_copies(smollm2, tok):

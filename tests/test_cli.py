@@ -153,7 +153,9 @@ def test_train_and_test_ids_may_not_overlap(tmp_path):
     r = run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")])
     one_line_error(r, f"--tasks-file {ids}: 2 task ids are in both the training and the test split (first: [50, 51])")
     ids.write_text(json.dumps({"train": [0, 1, 2], "test": [2, 48]}))
-    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids)]), "1 task ids are in both")
+    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")]),
+                   "1 task ids are in both")
+    assert not (tmp_path / "r").exists()  # refused before anything is written
 
 
 def test_help_prints_no_default_the_help_already_states():

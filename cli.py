@@ -119,9 +119,8 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
         if unknown:
             p.error(f"{flag}: fields this script does not have: {', '.join(unknown)}")
         if skipped:
-            print(f"{p.prog}: {flag}: fields {p.prog} does not use, skipped: " + ", ".join(k + (f" ({why})" if why else "")
-                                                               for k, why in sorted(skipped.items())),
-                  file=sys.stderr)
+            names = ", ".join(k + (f" ({why})" if why else "") for k, why in sorted(skipped.items()))
+            print(f"{p.prog}: {flag}: fields {p.prog} does not use, skipped: {names}", file=sys.stderr)
         p.set_defaults(**saved)
         args = p.parse_args(argv)
     values = vars(args)

@@ -145,10 +145,10 @@ def parse_args(argv=None) -> Config:
     check_ranges(p, cfg, {
         "lr": "(0, inf)", "critic_lr": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "gamma": "[0, 1]",
         "lam": "[0, 1]", "weight_decay": "[0, inf)", "clip_low": "[0, 1)", "clip_high": "[0, inf)",
-        "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)", "tis_cap": "(0, inf)", "vllm_gpu_memory": "(0, 1]",
-        "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)", "eval_tasks": "[0, inf)",
-        "eval_turns": "[1, inf)", "schedule_every": "[1, inf)", "env_timeout": "(0, inf)", "env_wait": "[0, inf)",
-        "max_env_error_share": "[0, 1)", "env_error_patience": "[1, inf)"})
+        "tis_cap": "(0, inf)", "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)",
+        "vllm_gpu_memory": "(0, 1]", "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)",
+        "eval_tasks": "[0, inf)", "eval_turns": "[1, inf)", "schedule_every": "[1, inf)", "env_timeout": "(0, inf)",
+        "env_wait": "[0, inf)", "max_env_error_share": "[0, 1)", "env_error_patience": "[1, inf)"})
     checks = [(cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
               (not cfg.resume or cfg.out, "--resume needs --out: the run folder to continue"),
               (not cfg.resume or not cfg.out or find_checkpoint(cfg.out), f"--resume: no checkpoint in {cfg.out}"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 
@@ -94,6 +95,14 @@ def load_data(path: str, **kw):
     except pickle.UnpicklingError as e:
         raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could run code): "
                          f"{str(e).splitlines()[0]}") from None
+
+
+def resume_command(out: str, script: str = "train.py") -> str:
+    """The command that continues the run in `out` (its config.json holds every other flag), as this
+    process was started: plain python, or torchrun with as many processes per node."""
+    procs = os.environ.get("LOCAL_WORLD_SIZE")
+    head = f"torchrun --nproc-per-node {procs}" if procs and int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python"
+    return f"{head} {script} --resume --out {shlex.quote(out)}"
 
 
 def find_checkpoint(out: str) -> str | None:

@@ -35,7 +35,13 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written; each flag's help ends with its default."""
+    """The description as written; each flag's help ends with its default, unless the help already says
+    what it is ("default: ...", "absent: ...") or there is none (None: the flag is simply not given)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or any(w in (action.help or "").lower() for w in ("default", "absent")):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _kind(f: dataclasses.Field):
@@ -62,23 +68,59 @@ def config_parser(cls, description: str, prog: str | None = None) -> Parser:
     return p
 
 
-def parse_config(cls, argv=None, description: str = "", prog: str | None = None):
-    """(parser, config) from the command line; `--config FILE` sets the defaults first, so any flag given
-    beside it wins. A file with fields this script does not know is refused, naming them."""
+def given_fields(cls, argv, description: str = "", prog: str | None = None) -> set[str]:
+    """The fields that the command line `argv` sets itself (not by default): parsed once more with every
+    default suppressed."""
+    quiet = config_parser(cls, description, prog)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv))) - {"config"}
+
+
+def read_config(p: argparse.ArgumentParser, path: str, flag: str) -> dict:
+    """A JSON object of config fields from `path`, or a one-line exit naming `flag`."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError) as e:
+        p.error(f"{flag}: {e}")
+    if not isinstance(saved, dict):
+        p.error(f"{flag}: expected a JSON object of config fields")
+    return saved
+
+
+def parse_config(cls, argv=None, description: str = "", prog: str | None = None, adapt=None):
+    """(parser, config) from the command line. `--config FILE` sets the defaults first, so any flag given
+    beside it wins; so does OUT/config.json when the config has `resume` and `out` and --resume is given
+    (a run continues with its own settings; the flags given beside --resume change them). A file with
+    fields this script does not know is refused, naming them; with `adapt` (a function of the file's
+    dict returning (fields, {field: why it is skipped})) those fields are skipped with a one-line note.
+    `parser.given` holds the fields the command line set itself."""
     p = config_parser(cls, description, prog)
     args = p.parse_args(argv)
-    if args.config:
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        try:
-            with open(args.config, encoding="utf-8") as fh:
-                saved = json.load(fh)
-        except (OSError, ValueError) as e:
-            p.error(f"--config {args.config}: {e}")
-        if not isinstance(saved, dict):
-            p.error(f"--config {args.config}: expected a JSON object of config fields")
-        unknown = sorted(set(saved) - set(known))
+    p.given = given_fields(cls, argv, description, prog)
+    path, flag = args.config, f"--config {args.config}"
+    if getattr(args, "resume", False) and getattr(args, "out", None):
+        if args.config:
+            p.error("--resume continues the run in --out with its own config.json: give changes as flags, "
+                    "not --config")
+        path, flag = os.path.join(args.out, "config.json"), f"--resume: {os.path.join(args.out, 'config.json')}"
+        path = path if os.path.exists(path) else None
+    if path:
+        known = {f.name for f in dataclasses.fields(cls)}
+        saved = read_config(p, path, flag)
+        saved.pop("resume", None)  # whether to continue is the command line's to say
+        skipped = {}
+        if adapt is not None:
+            saved, skipped = adapt(saved)
+            skipped.update({k: "" for k in saved if k not in known})
+            saved = {k: v for k, v in saved.items() if k in known}
+        unknown = sorted(set(saved) - known)
         if unknown:
-            p.error(f"--config {args.config}: fields this script does not have: {', '.join(unknown)}")
+            p.error(f"{flag}: fields this script does not have: {', '.join(unknown)}")
+        if skipped:
+            names = ", ".join(k + (f" ({why})" if why else "") for k, why in sorted(skipped.items()))
+            print(f"{p.prog}: {flag}: fields {p.prog} does not use, skipped: {names}", file=sys.stderr)
         p.set_defaults(**saved)
         args = p.parse_args(argv)
     values = vars(args)
@@ -90,6 +132,41 @@ def check_positive(p: argparse.ArgumentParser, cfg, names) -> None:
     for name in names:
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def check_ranges(p: argparse.ArgumentParser, cfg, ranges: dict[str, str]) -> None:
+    """Each named field inside its interval, written "(0, inf)", "[0, 1]"...; a None (not set) passes."""
+    for name, interval in ranges.items():
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        if (lo < v if interval[0] == "(" else lo <= v) and (v < hi if interval[-1] == ")" else v <= hi):
+            continue  # (a NaN fails both)
+        if hi == float("inf"):
+            what = ("positive" if lo == 0 else f"greater than {lo:g}") if interval[0] == "(" else \
+                ("0 or more" if lo == 0 else f"at least {lo:g}")
+        else:
+            what = f"in {interval}"
+        p.error(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
+
+
+def check_device(p: argparse.ArgumentParser, name: str) -> None:
+    """--device names a device this torch has: cuda with a CPU-only build is one line, not a traceback."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        p.error(f"--device {name}: {e}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            p.error(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+        if device.index is not None and device.index >= count:
+            p.error(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 def check_env(p: argparse.ArgumentParser, cfg) -> None:
@@ -106,23 +183,37 @@ def check_env(p: argparse.ArgumentParser, cfg) -> None:
             p.error(f"--env {cfg.env} is served by another project: give its server's address with --env-addr")
         if all(getattr(cfg, k, None) is None for k in ("model", "checkpoint", "endpoint")):
             p.error(f"--env {cfg.env} needs --model: the built-in tiny model only knows the envs served here")
-    check_env_addr(p, cfg.env_addr)
+    check_env_addr(p, cfg.env_addr, cfg.env)
 
 
-def check_env_addr(p: argparse.ArgumentParser, addr: str | None) -> None:
+def check_env_addr(p: argparse.ArgumentParser, addr: str | None, env: str | None = None) -> None:
     """--env-addr answers (any answer: AgentGym's servers reply to / in plain text), before anything is
-    written; a refused connection or a silent address is one line."""
+    written; a refused connection or a silent address is one line. A server that names its game (this
+    project's say {"env": ...} at /) must serve `env`; one that does not say is taken at its word."""
     if not addr:
         return
     from env_client import EnvError, Transport
 
     try:
-        Transport(addr, timeout=10.0, retries=0).request("GET", "/")
+        health = Transport(addr, timeout=10.0, retries=0).request("GET", "/")
     except ValueError as e:
         p.error(f"--env-addr: {e}")
     except EnvError as e:
         if e.kind in ("connection", "timeout"):
             p.error(f"--env-addr {addr}: no env server answers there ({e.message})")
+        return
+    served = health.get("env") if isinstance(health, dict) else None
+    if env and isinstance(served, str) and served != env:
+        p.error(f"--env-addr {addr} serves {served}, not {env} (--env): point it at a {env} server")
+
+
+def check_reporter(p: argparse.ArgumentParser, kind: str) -> None:
+    """--report-to names a tracker whose package is installed (report.py), before anything is written."""
+    from report import missing
+
+    problem = missing(kind)
+    if problem:
+        p.error(problem)
 
 
 def check_model(p: argparse.ArgumentParser, model: str | None) -> None:

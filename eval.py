@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agents import SCHEMES, opens_by_guessing
-from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, resolve_device, task_lists
+from cli import (arg, check_device, check_env, check_model, check_positive, check_ranges, cpu_threads, parse_config,
+                 read_config, resolve_device, task_lists)
 from distributed import all_gather_list, global_rank, world_size
 from env_client import EnvError
 from env_server.app import serving
@@ -57,7 +58,9 @@ class EvalConfig:
                                        "ints, \"<env>_<n>\" or {\"item_id\": ...} (the original release)")
     limit: int | None = arg(None, "evaluate only the first N tasks of the split")
     # Policy: one of checkpoint, model, endpoint; none of them: the built-in tiny model
-    checkpoint: str | None = arg(None, "a training run folder: loads RUN_DIR/checkpoint/model")
+    checkpoint: str | None = arg(None, "a training run folder: loads RUN_DIR/checkpoint/model and, where no flag "
+                                       "says otherwise, plays with the run's env, agent, horizon (its largest stage) "
+                                       "and max-new-tokens, max-context, temperature, top-p")
     model: str | None = arg(None, "HF model folder or hub name")
     endpoint: str | None = arg(None, "OpenAI-compatible base URL, e.g. http://host:8000/v1")
     endpoint_model: str | None = arg(None, "model name to send to the endpoint")
@@ -87,17 +90,45 @@ class EvalConfig:
                          "where the built-in tiny model is built once")
 
 
+# What a training run's config.json says about how to play its policy: eval.py's fields, by train.py's.
+RUN_SETTINGS = ("env", "agent", "max_turns", "max_new_tokens", "max_context", "temperature", "top_p")
+
+
+def from_run(saved: dict) -> tuple[dict, dict]:
+    """A train.py config.json as eval.py's fields: the horizon K is the run's evaluation horizon (the
+    largest stage of its schedule, or --eval-turns); the run folder is not a result file. Returns
+    (fields, {skipped field: why})."""
+    saved, skipped = dict(saved), {}
+    if "schedule" in saved:  # a training run's config
+        turns = saved.get("eval_turns") or max(int(k) for k in str(saved["schedule"]).split(","))
+        saved.setdefault("max_turns", turns)
+        if "out" in saved:
+            skipped["out"] = "the run folder"
+            saved.pop("out")
+    return saved, skipped
+
+
 def parse_args(argv=None) -> EvalConfig:
-    p, cfg = parse_config(EvalConfig, argv, __doc__, prog="eval.py")
+    p, cfg = parse_config(EvalConfig, argv, __doc__, prog="eval.py", adapt=from_run)
     if sum(x is not None for x in (cfg.checkpoint, cfg.model, cfg.endpoint)) > 1:
         p.error("give at most one of --checkpoint, --model, --endpoint")
     if cfg.endpoint and not cfg.endpoint_model:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
-    check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
-    check_env(p, cfg)
-    check_model(p, cfg.model)
     if cfg.checkpoint and not os.path.isdir(os.path.join(cfg.checkpoint, "checkpoint", "model")):
         p.error(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected {cfg.checkpoint}/checkpoint/model)")
+    if cfg.checkpoint and os.path.exists(os.path.join(cfg.checkpoint, "config.json")):
+        run_cfg, _ = from_run(read_config(p, os.path.join(cfg.checkpoint, "config.json"), "--checkpoint"))
+        taken = {k: run_cfg[k] for k in RUN_SETTINGS if k in run_cfg and k not in p.given}
+        for k, v in taken.items():
+            setattr(cfg, k, v)
+        if taken:
+            print(f"eval.py: from {cfg.checkpoint}/config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
+    check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
+    check_ranges(p, cfg, {"temperature": "[0, inf)", "top_p": "(0, 1]", "endpoint_timeout_s": "(0, inf)",
+                          "endpoint_retries": "[0, inf)", "endpoint_workers": "[1, inf)"})
+    check_device(p, cfg.device)
+    check_env(p, cfg)
+    check_model(p, cfg.model)
     if cfg.greedy:
         if cfg.n != 1:
             print(f"--greedy: temperature 0 plays each task the same way; n forced from {cfg.n} to 1")
@@ -209,23 +240,23 @@ class ChatPolicy:
 # ---------------------------------------------------------------- held-out evaluation during training
 def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig, step: int,
              generator, batch: int = 64, timeout: float = 120.0, agent: str = "react",
-             categories: dict | None = None) -> dict:
-    """One sampled episode per held-out test task at the horizon rcfg.max_turns, at the training
+             categories: dict | None = None, samples: int = 1) -> dict:
+    """`samples` sampled episodes per held-out test task at the horizon rcfg.max_turns, at the training
     temperature (the paper evaluates at 1), drawing from `generator` (seeded the same way at every
-    evaluation). Env errors are left out and counted. Under torchrun rank r plays every N-th task from
-    the r-th, and every rank returns the result over all of them."""
+    evaluation); success is the mean over every episode. Env errors are left out and counted. Under
+    torchrun rank r plays every N-th task from the r-th, and every rank returns the result over all."""
     from tqdm import tqdm
 
     t0 = time.time()
-    mine = test_ids[global_rank()::world_size()]
+    mine = [i for i in test_ids[global_rank()::world_size()] for _ in range(samples)]
     policy = EnginePolicy(engine, fmt, rcfg, generator)
 
     def play(pool, items, groups):
         return rollout(policy, pool, env, items, groups, rcfg, fmt=fmt, agent=agent)
 
     try:
-        trajs = play_in_chunks(url, batch, mine, list(range(len(mine))), play, desc=f"held-out eval @ step {step}",
-                               leave=False, timeout=timeout) if mine else []
+        trajs = play_in_chunks(url, batch, mine, [k // samples for k in range(len(mine))], play,
+                               desc=f"held-out eval @ step {step}", leave=False, timeout=timeout) if mine else []
     except EnvError as e:  # no env server to play on: this evaluation has no result; training goes on
         tqdm.write(f"held-out evaluation at step {step} failed: {e}")
         trajs = [Trajectory(env, i, -1, [], [], [], [], status="env_error") for i in mine]
@@ -237,7 +268,8 @@ def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: Rollout
     for item, *_, won in kept:
         by_cat.setdefault(cat[item], []).append(float(won))
     n = max(1, len(kept))
-    return {"step": step, "max_turns": rcfg.max_turns, "tasks": len(kept), "env_errors": len(episodes) - len(kept),
+    return {"step": step, "max_turns": rcfg.max_turns, "tasks": len({e[0] for e in kept}), "samples": samples,
+            "episodes": len(kept), "env_errors": len(episodes) - len(kept),
             "success_rate": sum(e[5] for e in kept) / n, "reward_mean": sum(e[2] for e in kept) / n,
             "turns_mean": sum(e[3] for e in kept) / n, "guess_share": sum(e[4] for e in kept) / n,
             "by_category": {c: sum(v) / len(v) for c, v in sorted(by_cat.items())}, "time_s": time.time() - t0}

@@ -28,6 +28,8 @@ import warmstart
 # The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy starts from
 # random weights with a word-level vocabulary (its learning test); the others are warm-started (warmstart.py).
 TINY_MODELS = {"corridor": ("words", 2, 64)}
+# A word-level vocabulary is the game's own words: when its text changes, the version names a new cache folder.
+VOCAB_VERSIONS = {"corridor": 2}  # 2: "1 step", not "1 steps"
 TINY_DEFAULT = ("bpe", 3, 192)
 
 
@@ -49,8 +51,10 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
 
     kind, layers, hidden = TINY_MODELS.get(env, TINY_DEFAULT)
     os.makedirs(cache_dir, exist_ok=True)
-    return build_once(os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha"), lambda tmp: tiny_model.build(
-        tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden))
+    version = f"-vocab{VOCAB_VERSIONS[env]}" if env in VOCAB_VERSIONS else ""
+    path = os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha{version}")
+    return build_once(path, lambda tmp: tiny_model.build(tmp, env_names=(env,), tokenizer=kind, layers=layers,
+                                                         hidden=hidden))
 
 
 def default_model_path(env: str, cache_dir: str) -> str:

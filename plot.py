@@ -136,7 +136,7 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders, each with metrics.jsonl")
-    p.add_argument("--out", default="curves.png", help="image file to write")
+    p.add_argument("--out", default=None, help="image file to write (default: curves.png in the first run's folder)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
     a = p.parse_args(argv)
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     if a.smooth < 1:
         p.error("--smooth must be at least 1")
     try:
-        out = plot(a.runs, a.out, a.smooth, labels)
+        out = plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
     except ValueError as e:
         sys.exit(f"plot.py: {e}")
     print(f"wrote {out}")

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from agents import Move, make_agent
+from agents import Move, make_agent, opens_by_guessing
 from env_client import EnvError, EnvPool
 
 
@@ -399,3 +399,30 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
             d.update(step=step, max_turns=max_turns)
             f.write(json.dumps(d) + "\n")
     os.replace(tmp, path)
+
+
+def informative_groups(trajs: list[Trajectory]) -> set[int]:
+    """Groups whose trajectories (env errors left out) did not all score the same: the only ones whose
+    GRPO/RLOO advantages are not all 0."""
+    scores: dict = {}
+    for t in trajs:
+        if t.status != "env_error":
+            scores.setdefault(t.group, set()).add(t.reward)
+    return {g for g, s in scores.items() if len(s) > 1}
+
+
+def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
+    """Outcomes over the trajectories without env errors (infrastructure failures are not rewards);
+    statuses and speed over all of them."""
+    kept = [t for t in trajs if t.status != "env_error"]
+    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    groups = {t.group for t in kept}
+    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
+    n = max(1, len(kept))
+    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
+            "success_rate": sum(map(is_success, kept)) / n, "turns_mean": sum(t.turns for t in kept) / n,
+            **{f"status_{k}": v for k, v in statuses.items()},
+            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
+            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
+            "groups_informative": len(informative_groups(kept)) / max(1, len(groups)),
+            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}

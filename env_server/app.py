@@ -13,7 +13,11 @@
     GET  /                               -> health
 
 AgentGym's clients read these shapes, so they drive this server unchanged. `env_idx` is accepted as an
-alias of `id` (AgentGym's SearchQA and WebArena servers use it). Unlike AgentGym, a caller's mistake is a
+alias of `id` (AgentGym's SearchQA and WebArena servers use it). AgentGym's SearchQA client speaks its own
+dialect, served too: its /create has no body and reads a bare integer back (an env whose class sets
+`bare_create_id`, SearchQA's, answers a body-less /create so; this project's client always sends a body),
+and its /reset sends the instance as `env_idx` and the task as `id` (a /reset with `env_idx` and no
+`data_idx` or `idx` reads `id` as the task). Unlike AgentGym, a caller's mistake is a
 4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never dies. A
 create that carries a `request_key` (a string of the client's choosing, at most 200 characters) answers
 the same id for the same key while that instance lives: a client that retries a create whose answer it
@@ -120,9 +124,11 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
     """Refuse what a web page open in the user's browser could send: the servers and the viewer have no
     authentication, and a browser sends a page's requests to any address, 127.0.0.1 included.
 
-    - A POST that is not `Content-Type: application/json`: 415. A page may POST text/plain, forms or no
-      type at all to any address without the browser asking first; a JSON POST needs a CORS preflight
-      that these servers never grant.
+    - A POST with a body that is not `Content-Type: application/json`: 415. A page may POST text/plain,
+      forms or no type at all to any address without the browser asking first; a JSON POST needs a CORS
+      preflight that these servers never grant. A POST with no body at all passes (AgentGym's BabyAI,
+      SciWorld and SearchQA clients create instances so): a browser sends it with an Origin, which the
+      next rule checks, and the Host rule stops DNS rebinding.
     - A foreign `Origin` (one whose host:port is not the request's own Host): 403. Clients that are not
       browsers (curl, Python) send no Origin.
     - While bound to loopback, a Host that is not a loopback name or address: 403. DNS rebinding (a
@@ -156,7 +162,8 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
             if not same:
                 return _json({"error": f"Origin {origin[:100]!r} refused: requests from other sites' pages "
                                        "are not served"}, 403)
-        if request.method == "POST" and request.mimetype != "application/json":
+        bodyless = not request.content_length and "Transfer-Encoding" not in request.headers
+        if request.method == "POST" and request.mimetype != "application/json" and not bodyless:
             return _json({"error": f"POST needs Content-Type: application/json, got "
                                    f"{request.content_type or 'none'!r}"[:200]}, 415)
         return None
@@ -211,6 +218,8 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         return out
 
     def op_reset(b: dict) -> dict:
+        if "env_idx" in b and not ("data_idx" in b or "idx" in b):  # AgentGym SearchQA: {"id": task, "env_idx"}
+            b = {"id": b["env_idx"], "data_idx": b.get("id")} if "id" in b else {"id": b["env_idx"]}
         iid, idx = _int(b, "id", "env_idx"), task_id(b)
         inst = reg.get(iid)
         with reg.hold(iid, inst):
@@ -273,6 +282,8 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     @app.post("/create")
     def create():
+        if getattr(env_cls, "bare_create_id", False) and not request.get_data(cache=True):
+            return _json(guarded({}, op_create)["id"])  # AgentGym's SearchQA client: a bare id back
         return _json(guarded(body(), op_create))
 
     @app.post("/reset")

@@ -58,7 +58,7 @@ class CorridorEnv(Env):
         gap = self.goal - self.pos
         if gap == 0:
             return "You reached the goal."
-        return f"The goal is {abs(gap)} steps to your {'right' if gap > 0 else 'left'}."
+        return f"The goal is {abs(gap)} step{'s' if abs(gap) > 1 else ''} to your {'right' if gap > 0 else 'left'}."
 
     def step(self, action: str) -> StepResult:
         self._require_task()

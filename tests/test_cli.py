@@ -153,4 +153,113 @@ def test_train_and_test_ids_may_not_overlap(tmp_path):
     r = run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")])
     one_line_error(r, f"--tasks-file {ids}: 2 task ids are in both the training and the test split (first: [50, 51])")
     ids.write_text(json.dumps({"train": [0, 1, 2], "test": [2, 48]}))
-    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids)]), "1 task ids are in both")
+    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")]),
+                   "1 task ids are in both")
+    assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_help_prints_no_default_the_help_already_states():
+    for script in ("train.py", "eval.py", "sft.py"):
+        text = " ".join(run([script, "-h"]).stdout.split())
+        assert "(default: None)" not in text, script
+    text = " ".join(run(["train.py", "-h"]).stdout.split())
+    assert "(default: steps / number of stages) --schedule-kind" in text
+    assert "3e-4 for the built-in tiny model --critic-lr" in text and "(default: 0.0001)" in text
+
+
+def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(tmp_path, cache_dir):
+    """--resume --out RUN alone is RUN's config (not the defaults: a Corridor run stays Corridor); a flag
+    given beside it overrides, and config.json records it."""
+    out = tmp_path / "run"
+    args = [*TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out), "--cache-dir", cache_dir]
+    assert run(["train.py", *args]).returncode == 0
+    first = json.load(open(out / "config.json"))
+    cfg = train.parse_args(["--resume", "--out", str(out)])
+    assert {k: v for k, v in vars(cfg).items() if k != "resume"} == {k: v for k, v in first.items() if k != "resume"}
+    assert cfg.env == "corridor" and cfg.lr == 1e-3 and cfg.resume
+    r = run(["train.py", "--resume", "--out", str(out), "--steps", "2", "--save-every", "-1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.load(open(out / "config.json"))
+    assert saved["steps"] == 2 and saved["save_every"] == -1 and saved["env"] == "corridor"
+    assert {k: v for k, v in saved.items() if k not in ("steps", "save_every", "resume")} == \
+        {k: v for k, v in first.items() if k not in ("steps", "save_every", "resume")}
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
+    r = run(["train.py", "--resume", "--out", str(out), "--config", str(out / "config.json")])
+    one_line_error(r, "--resume continues the run in --out with its own config.json")
+
+
+def test_the_stop_message_names_the_command_that_continues(monkeypatch):
+    from checkpoints import resume_command
+
+    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert resume_command("runs/my run") == "python train.py --resume --out 'runs/my run'"
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resume_command("runs/a") == "torchrun --nproc-per-node 8 train.py --resume --out runs/a"
+
+
+def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([0, 1, 50]))  # 50 is a Corridor test task
+    r = run(["train.py", *TINY, "--tasks-file", str(ids), "--out", str(out), "--cache-dir", cache_dir])
+    one_line_error(r, "1 task ids are in both the training and the test split")
+    assert not (out / "config.json").exists()
+    for bad in (["--lr", "-1"], ["--critic-lr", "0"], ["--temperature", "0"], ["--top-p", "0"], ["--gamma", "1.5"],
+                ["--max-grad-norm", "0"], ["--kl-coef", "-0.1"], ["--eval-samples", "0"]):
+        r = run(["train.py", *TINY, *bad, "--out", str(out), "--cache-dir", cache_dir])
+        one_line_error(r, bad[0] + " must be")
+    assert not out.exists()
+    r = run(["train.py", *TINY, "--eval-every", "0", "--out", str(out), "--cache-dir", cache_dir])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_folder_with_only_a_config_is_not_a_run(tmp_path, cache_dir):
+    """What an earlier version left after a refused start: config.json alone. It holds no run: a new start
+    may use the folder, and --resume says there is no checkpoint, in one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"env": "textcraft"}))
+    one_line_error(run(["train.py", "--resume", "--out", str(out)]), f"--resume: no checkpoint in {out}")
+    cfg = train.parse_args([*TINY, "--out", str(out)])
+    assert cfg.out == str(out)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this torch has CUDA")
+def test_cuda_on_a_cpu_only_torch_is_one_line(tmp_path):
+    for script in ("train.py", "eval.py"):
+        r = run([script, "--env", "corridor", "--device", "cuda", "--out", str(tmp_path / script)])
+        one_line_error(r, "--device cuda: this torch")
+        assert not (tmp_path / script).exists()
+
+
+def test_sft_refuses_values_that_must_be_positive(tmp_path):
+    for bad in (["--lr", "-1"], ["--beta", "0"], ["--temperature", "-1"]):
+        r = run(["sft.py", "--env", "corridor", "--out", str(tmp_path / "s"), *bad])
+        one_line_error(r, bad[0] + " must be")
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_env_addr_serving_another_game_is_refused(tmp_path):
+    from env_server.app import serve_in_thread, serve_wsgi_in_thread
+    from env_server.textcraft import TextCraftEnv
+    from flask import Flask
+
+    url, stop = serve_in_thread(TextCraftEnv)
+    try:
+        for script in ("train.py", "eval.py"):
+            r = run([script, "--env", "corridor", "--env-addr", url, "--out", str(tmp_path / script)])
+            one_line_error(r, f"--env-addr {url} serves textcraft, not corridor (--env)")
+            assert not (tmp_path / script).exists()
+    finally:
+        stop()
+    silent = Flask("agentgym-like")  # AgentGym's servers answer / in plain text, without naming the game
+    silent.get("/")(lambda: "ok")
+    url, stop = serve_wsgi_in_thread(silent)
+    try:
+        import cli
+
+        cli.check_env_addr(cli.Parser(), url, "corridor")  # accepted: no exit
+    finally:
+        stop()

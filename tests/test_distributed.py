@@ -18,6 +18,7 @@ import models
 import policy
 from policy import Precision
 import train
+import update
 from rollout import Trajectory
 
 
@@ -61,7 +62,7 @@ def test_micro_weights_add_up_to_the_global_loss(mode):
         for r in ranks:
             for micro in (r[:2], r[2:3], r[3:]):
                 if micro:
-                    w = train.micro_weight(mask[micro], denominator, mode, world)
+                    w = update.micro_weight(mask[micro], denominator, mode, world)
                     total += w / world * float(algos.agg_loss(loss_mat[micro], mask[micro], mode))  # / world: FSDP
         assert total == pytest.approx(float(algos.agg_loss(loss_mat, mask, mode)), rel=1e-5)
 

@@ -265,7 +265,7 @@ def counting_asgi_app():
 @pytest.fixture
 def uvicorn_server():
     """A factory: start counting_asgi_app() on a real uvicorn in a thread; returns (url, app)."""
-    uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -r requirements.txt)")
+    uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -r requirements-test.txt)")
     running = []
 
     def start(**config):

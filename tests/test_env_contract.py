@@ -159,3 +159,13 @@ def test_corridor_test_games_are_not_training_games():
 
     assert not {game(i) for i in splits["test"]} & {game(i) for i in splits["train"]}
     assert {abs(game(i)) for i in splits["test"]} == {3} and {abs(game(i)) for i in splits["train"]} == {1, 2, 4}
+
+
+def test_corridor_says_one_step_not_one_steps():
+    from env_server.corridor import CorridorEnv
+
+    env = CorridorEnv(None)
+    assert env.reset(0) == "The goal is 1 step to your right."
+    assert env.reset(1) == "The goal is 1 step to your left."
+    assert env.reset(2) == "The goal is 2 steps to your right."
+    assert env.step("right").observation == "The goal is 1 step to your right."

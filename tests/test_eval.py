@@ -137,3 +137,37 @@ def test_endpoint_http_500_is_an_error_not_a_zero(tmp_path, corridor_url):
     assert res["overall"]["tasks"] == 0 and res["overall"]["samples"] == 0  # nothing scored, not scored 0
     assert all(t["scores"] == [] and t["errors"] == 2 for t in res["tasks"])
     assert len(seen) == 4 * 2  # each request tried once more, then counted
+
+
+def fake_run(folder, **settings):
+    """A run folder as eval.py reads it: config.json (train.py's fields) and checkpoint/model/."""
+    import train
+
+    os.makedirs(os.path.join(folder, "checkpoint", "model"))
+    cfg = {**vars(train.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6, "max_context": 512,
+           "temperature": 0.7, "top_p": 0.9, "out": str(folder), "lr": 3e-4, **settings}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(folder)
+
+
+def test_a_checkpoint_is_played_with_its_runs_settings_unless_flags_say_otherwise(tmp_path, capsys):
+    run = fake_run(tmp_path / "run")
+    cfg = ev.parse_args(["--checkpoint", run])
+    assert (cfg.env, cfg.max_turns, cfg.max_new_tokens, cfg.max_context, cfg.temperature, cfg.top_p, cfg.agent) == \
+        ("corridor", 5, 6, 512, 0.7, 0.9, "react")  # K: the schedule's largest stage
+    assert "from " + run + "/config.json: env corridor" in capsys.readouterr().out
+    cfg = ev.parse_args(["--checkpoint", run, "--max-turns", "9", "--temperature", "1", "--max-new-tokens", "64"])
+    assert (cfg.max_turns, cfg.temperature, cfg.max_new_tokens, cfg.max_context) == (9, 1.0, 64, 512)
+    cfg = ev.parse_args(["--checkpoint", fake_run(tmp_path / "other", eval_turns=3)])
+    assert cfg.max_turns == 3  # the horizon the run's own evaluations played
+
+
+def test_config_of_a_training_run_skips_its_training_fields_in_one_note(tmp_path, capsys):
+    run = fake_run(tmp_path / "run")
+    cfg = ev.parse_args(["--config", os.path.join(run, "config.json")])
+    assert (cfg.env, cfg.max_turns, cfg.max_new_tokens, cfg.temperature) == ("corridor", 5, 6, 0.7)
+    assert cfg.out == "eval_corridor_test.json"  # the run's out is a folder, not where results go
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fields eval.py does not use, skipped:" in err[0]
+    assert "algo" in err[0] and "out (the run folder)" in err[0] and "env," not in err[0]

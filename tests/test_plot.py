@@ -118,3 +118,15 @@ def test_update_kl_and_informative_groups_get_their_panels(tmp_path):
     finally:
         plt.subplots = real
     assert seen == [4, 2] and (tmp_path / "n.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
+    write_run(tmp_path / "a", [2] * 4, "2")
+    write_run(tmp_path / "b", [2] * 4, "2")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path / "a"), str(tmp_path / "b")],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG" and not os.listdir(elsewhere)
+    assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout

@@ -15,6 +15,7 @@ from test_distributed import fixed_trajectories
 
 import policy
 import train
+import update
 from engines import HFEngine
 from tiny_model import build_model
 
@@ -51,19 +52,19 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
     base = tiny()
     trajs = tied_groups(fixed_trajectories(base))
     forwarded = {"skip": 0, "all": 0}
-    real_micro_step = train.micro_step
+    real_micro_step = update.micro_step
     results = {}
     for mode in ("skip", "all"):
         model = copy.deepcopy(base)
         run = run_of(flags, model, optim=optim)
         if mode == "all":
-            monkeypatch.setattr(train, "idle_rows", lambda *a: set())
+            monkeypatch.setattr(update, "idle_rows", lambda *a: set())
 
         def counting(run_, batch, mask, targets, idx, *a, _mode=mode, **kw):
             forwarded[_mode] += len(idx)
             return real_micro_step(run_, batch, mask, targets, idx, *a, **kw)
 
-        monkeypatch.setattr(train, "micro_step", counting)
+        monkeypatch.setattr(update, "micro_step", counting)
         torch.manual_seed(1)
         metrics = [train.update(run, trajs) for _ in range(3)]
         monkeypatch.undo()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
+import rollout
 import train
 from rollout import Trajectory
 
@@ -100,7 +101,7 @@ def test_dynamic_sampling_replaces_tied_groups_within_its_bound():
     kept, extra = train.resample(run, first, play_groups)
     assert played == [[4, 5], [6]]  # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
     assert {t.group for t in kept} == {1, 3, 5} and {t.group for t in extra} == {4, 5, 6}
-    assert train.informative_groups(kept) == {1, 3, 5}
+    assert rollout.informative_groups(kept) == {1, 3, 5}
 
 
 def test_dynamic_sampling_stops_after_max_resample_rounds():

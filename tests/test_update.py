@@ -41,7 +41,8 @@ def test_a_bf16_checkpoint_trains_in_fp32(tmp_path, corridor_folder):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", str(bf16), "--steps", "1",
                         "--schedule", "2", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
-                        "--lr", "1e-6", "--entropy-coef", "0.01", "--threads", "1", "--eval-every", "0", "--out",
+                        "--lr", "1e-6", "--entropy-coef", "0.01", "--threads", "1", "--eval-every", "0",
+                        "--warmup-steps", "0", "--no-dynamic-sampling", "--dtype", "fp32", "--out",
                         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     before = AutoModelForCausalLM.from_pretrained(bf16).float().state_dict()

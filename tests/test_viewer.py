@@ -158,6 +158,34 @@ def test_cli_rejects_a_missing_folder(tmp_path):
     assert res.returncode == 2 and "not a folder" in res.stderr
 
 
+def test_a_taken_port_is_one_line(tmp_path):
+    import socket
+
+    write_run(tmp_path / "run", {1: [trajectory(7, 0, 1.0)]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "viewer.py", str(tmp_path / "run"), "--port", str(port)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_numbers_are_shown_rounded(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, {1: [trajectory(7, 0, 0.015625)]})
+    with open(run / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "max_turns": 3, "success_rate": 0.015625, "reward_mean": 1 / 3,
+                            "turns_mean": 2.0}) + "\n")
+    c = viewer.create_app([str(run)]).test_client()
+    pages = [c.get(p).get_data(as_text=True) for p in ("/", "/run/0", "/run/0/step/1", "/run/0/step/1/traj/1")]
+    assert not any("0.015625" in html or "0.3333" in html for html in pages)
+    assert "<td>0.0156</td>" in pages[0] and "<td>0.333</td>" in pages[1] and "<td>0.0156</td>" in pages[2]
+    assert 'class="reward">0.0156<' in pages[3]
+    assert [viewer.num(x) for x in (0.015625, 2.0, 3, 12345.6, None, "a")] == ["0.0156", "2", "3", "12346", "", "a"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real browser.
 

@@ -1,0 +1,147 @@
+"""AgentGym's own env clients drive this project's servers. Each client here is rebuilt from what is
+known of the requests AgentGym's client sends and what it reads back (not from its code):
+
+- TextCraft: JSON everywhere; `/create` answers an object whose `id` it keeps.
+- BabyAI, SciWorld: `/create` is a POST with no body and no Content-Type; `id` from the object.
+- SearchQA: `/create` has no body either and the answer is a bare integer, kept as `env_idx`; `/reset`
+  sends {"id": <task index>, "env_idx": ...}; step, observation and close name the instance `env_idx`.
+
+Then create, reset, step, observation and close, against a real server of each game."""
+
+import http.client
+import importlib.util
+import json
+import shutil
+from urllib.parse import urlsplit
+
+import pytest
+
+from env_server.app import ServerProcess, serve_in_thread
+from env_server.babyai import BabyAIEnv
+from env_server.textcraft import TextCraftEnv
+
+
+def call(url: str, method: str, path: str, body=None, content_type: bool = True):
+    """One request as the client sends it: a JSON body, or (body None) no body and no Content-Type."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    headers = {"Content-Type": "application/json"} if body is not None and content_type else {}
+    conn.request(method, path, None if body is None else json.dumps(body), headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    assert resp.status == 200, (method, path, resp.status, data[:300])
+    return json.loads(data)
+
+
+class IdClient:
+    """TextCraft's (JSON create), BabyAI's and SciWorld's (body-less create) clients: `id` throughout."""
+
+    def __init__(self, url: str, json_create: bool):
+        self.url = url
+        created = call(url, "POST", "/create", {} if json_create else None)
+        self.env_id = created["id"]
+
+    def reset(self, idx: int):
+        return call(self.url, "POST", "/reset", {"id": self.env_id, "data_idx": idx})
+
+    def step(self, action: str):
+        return call(self.url, "POST", "/step", {"id": self.env_id, "action": action})
+
+    def observe(self) -> str:
+        return call(self.url, "GET", f"/observation?id={self.env_id}")
+
+    def close(self):
+        return call(self.url, "POST", "/close", {"id": self.env_id})
+
+
+class SearchQAClient:
+    """AgentGym's SearchQA client: a bare id from /create, kept as env_idx."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.env_idx = call(url, "POST", "/create")
+        assert isinstance(self.env_idx, int)
+
+    def reset(self, idx: int):
+        return call(self.url, "POST", "/reset", {"id": idx, "env_idx": self.env_idx})
+
+    def step(self, action: str):
+        return call(self.url, "POST", "/step", {"env_idx": self.env_idx, "action": action})
+
+    def observe(self) -> str:
+        return call(self.url, "GET", f"/observation?env_idx={self.env_idx}")
+
+    def close(self):
+        return call(self.url, "POST", "/close", {"env_idx": self.env_idx})
+
+
+def play(client, task: int, action: str) -> dict:
+    client.reset(task)
+    first = client.observe()
+    assert isinstance(first, str) and first
+    step = client.step(action)
+    assert isinstance(step["observation"], str) and isinstance(step["done"], bool)
+    assert isinstance(step["reward"], (int, float))
+    assert isinstance(client.observe(), str)
+    assert client.close() is True
+    return {"first": first, "step": step}
+
+
+@pytest.fixture
+def threaded():
+    stops = []
+
+    def start(env_cls):
+        url, stop = serve_in_thread(env_cls)
+        stops.append(stop)
+        return url
+
+    yield start
+    for stop in stops:
+        stop()
+
+
+def test_textcraft_client(threaded):
+    url = threaded(TextCraftEnv)
+    got = play(IdClient(url, json_create=True), 0, "inventory")
+    assert "Crafting commands" in got["first"] or "Goal" in got["first"]
+
+
+def test_babyai_client(threaded):
+    url = threaded(BabyAIEnv)
+    play(IdClient(url, json_create=False), 0, "turn left")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scienceworld") is None or shutil.which("java") is None,
+                    reason="ScienceWorld cannot run here (the scienceworld package or java is missing)")
+def test_sciworld_client():
+    with ServerProcess("sciworld", "--max-jvms", "2") as server:
+        play(IdClient(server.url, json_create=False), 0, "look around")
+
+
+def test_searchqa_client(tmp_path):
+    with ServerProcess("searchqa", "--index-dir", str(tmp_path)) as server:
+        got = play(SearchQAClient(server.url), 3, "<search>capital</search>")
+        assert "Question" in got["first"] or "question" in got["first"]
+        # this project's client keeps its own dialect on the same server: an object from a create with a body
+        created = call(server.url, "POST", "/create", {"request_key": "k"})
+        assert isinstance(created, dict) and isinstance(created["id"], int)
+
+
+def test_a_bodyless_post_still_needs_a_loopback_host_and_no_foreign_origin(threaded):
+    url = threaded(BabyAIEnv)
+    u = urlsplit(url)
+    for headers, status in (({"Origin": "http://evil.example"}, 403), ({"Host": "evil.example"}, 403),
+                            ({"Content-Type": "text/plain"}, 200), ({}, 200)):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/create", None, headers)
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        assert resp.status == status, headers
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)  # a body that is not JSON: still 415
+    conn.request("POST", "/create", "{}", {"Content-Type": "text/plain"})
+    resp = conn.getresponse()
+    assert resp.status == 415 and "error" in json.loads(resp.read())
+    conn.close()

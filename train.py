@@ -583,7 +583,8 @@ def finish(run: Run, seconds: float) -> dict:
     mean = lambda rs, key: sum(r[key] for r in rs) / max(1, len(rs))  # noqa: E731
     out = {"steps": len(rows), "minutes": seconds / 60, "out": cfg.out,
            "train_success_first": mean(rows[:k], "success_rate"), "train_success_last": mean(rows[-k:], "success_rate")}
-    table = [(f"training success (mean of {k} steps)", out["train_success_first"], out["train_success_last"])]
+    table = [(f"training success (mean of {k} step{'s' * (k != 1)})", out["train_success_first"],
+              out["train_success_last"])]
     if len(evals) >= 2:
         a, b = evals[0], evals[-1]
         for key, name in (("success_rate", "eval_success"), ("step", "eval_step"), ("by_category", "eval_by_category")):

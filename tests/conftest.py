@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scripts do: cli.cpu_threads says why
 import sys
+import tempfile
 from urllib.parse import urlsplit
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 # dependency, for the viewer's browser test) registers one that can fail to import at the end of a
 # session and turn a green run red. No test here needs third-party plugins.
 os.environ.setdefault("HYPOTHESIS_NO_PLUGINS", "1")
+# Hypothesis caches (constants, unicode data) in .hypothesis/ of the working folder: keep them out of the repository.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), "agentgym-rl-mini-hypothesis"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -79,13 +79,13 @@ def test_reflect_retries_after_a_failed_attempt():
     a.observe("x", 0.0, False, 2)
     text, outcome = a.observe("The goal is 4 steps to your left.", 0.0, False, 3)  # its 3 turns are used
     assert outcome == "retry" and text.endswith(REFLECT_ASK)
-    a.restart("The goal is 1 steps to your left.")
+    a.restart("The goal is 1 step to your left.")
     m = a.act("I walked the wrong way; I will go left.\nAction: right")  # a reflection: never an action
-    assert m.action is None and m.note == f"{RESTART}\n\nThe goal is 1 steps to your left."
+    assert m.action is None and m.note == f"{RESTART}\n\nThe goal is 1 step to your left."
     assert a.observe(m.note, None, False, 4) == (m.note, None)
     assert a.act("left").action == "left"
     for turn in (5, 6, 7):  # the last attempt has the rest of the turns, and no retry
-        assert a.observe("The goal is 1 steps to your left.", 0.0, False, turn)[1] is None
+        assert a.observe("The goal is 1 step to your left.", 0.0, False, turn)[1] is None
     assert a.observe("You reached the goal.", 1.0, True, 8)[1] == "done"
 
 
@@ -144,7 +144,7 @@ def test_a_reflect_trajectory_resets_its_env_and_masks_every_reply(corridor_url)
     assert t.status == "done" and t.reward == 1.0 and t.turns == 5 and t.agent == "reflect"
     assert t.template == "exact"
     users = [m["content"] for m in t.messages[3:] if m["role"] == "user"]
-    assert users[2].endswith(REFLECT_ASK) and users[3] == f"{RESTART}\n\nThe goal is 1 steps to your left."
+    assert users[2].endswith(REFLECT_ASK) and users[3] == f"{RESTART}\n\nThe goal is 1 step to your left."
     assert users[4] == "You reached the goal."
     # every reply, the reflection included, is under the loss mask, and nothing else is
     assert [fmt.tok.decode(r) for r in sampled_runs(t)] == [fmt.tok.decode(fmt.encode(r) + [fmt.eot_id])

@@ -55,7 +55,7 @@ def test_a_run_prints_its_folder_first_and_a_table_last(tmp_path, cache_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0] == f"run folder: {out}"
-    assert "training success (mean of 1 steps)" in r.stdout and "held-out success, step 0 -> 1 (4 tasks" in r.stdout
+    assert "training success (mean of 1 step)" in r.stdout and "held-out success, step 0 -> 1 (4 tasks" in r.stdout
     assert lines[-1].startswith(f"  every number: {out}/summary.json")
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["steps"] == 1 and summary["eval_step_end"] == 1 and "eval_by_category_end" in summary

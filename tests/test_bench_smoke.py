@@ -75,6 +75,7 @@ def test_horizon_comparison_runs_on_corridor(tmp_path):
                         "--steps", "2", "--eval-every", "1", "--parallel", "3", "--device", "cpu", "--no-save",
                         "--out", str(out),
                         "--train", f"--batch-size 2 --group-size 2 --max-new-tokens 4 --threads 1 --eval-tasks 4 "
+                                   f"--entropy-coef 0.01 "  # every row computed, tied groups too
                                    f"--cache-dir {tmp_path / 'cache'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -188,12 +188,14 @@ class EnginePolicy:
 # ---------------------------------------------------------------- the turn loop
 def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
                        agents: list | None = None) -> list[Trajectory]:
-    """Reset pool instance i to task item_ids[i]; one Trajectory each with its agent's opening messages
-    (default: react), or status env_error when the reset failed."""
-    assert len(item_ids) == pool.size == len(groups)
+    """Reset pool instance i to task item_ids[i] (fewer tasks than instances: the rest stay idle); one
+    Trajectory each with its agent's opening messages (default: react), or status env_error when the
+    reset failed."""
+    assert len(item_ids) == len(groups) <= pool.size
     agents = agents or [make_agent("react", env, 0) for _ in item_ids]
     trajs = []
-    for item, group, first, agent in zip(item_ids, groups, pool.reset(list(item_ids)), agents):
+    firsts = pool.reset(list(item_ids) + [None] * (pool.size - len(item_ids)))
+    for item, group, first, agent in zip(item_ids, groups, firsts, agents):
         t = Trajectory(env, item, group, [], [], [], [], agent=agent.name)
         if isinstance(first, EnvError):
             t.status, t.error = "env_error", str(first)

@@ -249,3 +249,15 @@ def test_hf_engine_keeps_the_cache_across_turns():
     assert [s.ids for s in a] == [s.ids for s in fresh.generate(prompts, 6, [3], temperature=0.0)]
     kept.forget()
     assert kept._kept is None
+
+
+def test_fewer_tasks_than_instances_leave_the_rest_idle(textcraft_url):
+    """Dynamic sampling plays fewer groups than the step's pool holds: those trajectories come back
+    whole, and the other instances are neither reset nor stepped."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    fmt = ChatFormat(tok)
+    with EnvPool(textcraft_url, 4) as pool:
+        rcfg = RolloutConfig(max_turns=2)
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft", [3, 5], [7, 7],
+                        rcfg, fmt=fmt)
+        assert [(t.item_id, t.group, t.turns, t.status) for t in trajs] == [(3, 7, 2, "max_turns"), (5, 7, 2, "max_turns")]

@@ -152,7 +152,8 @@ def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url):
     r = subprocess.run([sys.executable, "train.py", "--env", "webarena", "--env-addr", webarena_url,
                         "--tasks-file", str(tasks_file), "--model", model, "--steps", "1", "--batch-size", "2",
                         "--group-size", "2", "--schedule", "2", "--max-new-tokens", "4", "--threads", "1",
-                        "--eval-every", "0", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--eval-every", "0", "--no-dynamic-sampling", "--out", out], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(out, "rollouts", "step_000001.jsonl")) as f:
         rows = [json.loads(x) for x in f]

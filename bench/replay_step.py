@@ -13,7 +13,8 @@ the run's own config.json. For each it prints:
 - clip_frac and grad_norm of the update.
 Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the sampler's
 at that step: replaying step 1 of a run from its initial weights is exact (ratio 1 at the start); a
-later step from the initial weights is an approximation (say which in what you report).
+later step from the initial weights is an approximation (say which in what you report). A run with
+dynamic sampling logged every round; the replay trains, as the run did, on the informative groups.
 """
 
 import argparse
@@ -33,7 +34,7 @@ import train  # noqa: E402
 from cli import cpu_threads  # noqa: E402
 from models import resolve  # noqa: E402
 from policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs  # noqa: E402
-from rollout import ChatFormat, build_batch  # noqa: E402
+from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
 from sft import load_log  # noqa: E402
 
 
@@ -100,6 +101,9 @@ def main() -> None:
     fmt, pad = ChatFormat(tok), pad_id(tok)
     master0 = load_model(init)
     trajs = load_log(log)
+    if base.dynamic_sampling:  # the step trained on the groups whose scores differ, from every round
+        keep = informative_groups(trajs)
+        trajs = [t for t in trajs if t.group in keep]
     probe = probe_rows(base, fmt, a.probe_tasks)
     print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, {sum(sum(t.loss_mask) for t in trajs)} sampled "
           f"tokens; probe: {len(probe)} expert trajectories on held-out tasks; weights {init}")

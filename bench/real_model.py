@@ -131,7 +131,7 @@ def main() -> None:
     fmt, pad = ChatFormat(tok), policy.pad_id(tok)
     n_params = sum(x.numel() for x in master.parameters())
     flops = 2 * n_params  # forward FLOPs per token (the tied LM head counted once)
-    limit = {name: max(matmul_gflops(dt) for _ in range(a.repeats)) for name, dt in DTYPES.items()}
+    limit = {name: max(matmul_gflops(dt) for _ in range(max(3, a.repeats))) for name, dt in DTYPES.items()}
     print(f"{path}: {n_params / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, bf16 native on this CPU: "
           f"{policy.cpu_has_bf16()}; forward {flops / 1e6:.0f} MFLOP per token")
     print(f"matrix product (2048x576 by 576x1536): fp32 {limit['fp32']:.0f} GFLOP/s, bf16 {limit['bf16']:.0f} GFLOP/s "

@@ -85,7 +85,8 @@ class EvalConfig:
     dtype: str = arg("auto", "compute dtype of the local model: auto is bf16 on CUDA and on CPUs with native bf16 "
                              "(AVX-512 BF16, AMX) for models of 10M parameters or more, else fp32",
                      choices=["auto", "fp32", "bf16"])
-    threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one)")
+    threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one). Cores shared "
+                          "with other runs: give each --threads 1 (cli.cpu_threads)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
 

@@ -231,7 +231,8 @@ class Config:
     beta: float = arg(0.1, "dpo: inverse temperature of the implicit reward")
     env_addr: str | None = arg(None, "agentevol/dpo: URL of a running env server; absent: start one")
     seed: int = arg(0, "seed of noise, data order and sampling")
-    threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one)")
+    threads: int = arg(0, "CPU threads for torch (0: all cores but one; the env server needs one). Cores shared "
+                          "with other runs: give each --threads 1 (cli.cpu_threads)")
     dtype: str = arg("auto", "compute dtype of SFT and AgentEvol's fine-tuning (fp32 master weights either way): "
                              "auto is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of "
                              "10M parameters or more, else fp32",

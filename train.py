@@ -134,7 +134,8 @@ class Config:
                              "on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M parameters "
                              "or more, else fp32 (the built-in tiny model)", choices=["auto", "fp32", "bf16"])
     threads: int = arg(0, "CPU threads for torch per process (0: during rollouts all cores but one, which the env "
-                          "server needs, during the update all; shared by the processes of this node)")
+                          "server needs, during the update all; shared by the processes of this node). Cores "
+                          "shared with other runs: give each --threads 1 (cli.cpu_threads)")
     cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"), "where built-in models are built once")
     # Faults (see "reliability" in the README)
     env_timeout: float = arg(120.0, "seconds an env server may take for one call; past it: an env error")

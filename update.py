@@ -70,6 +70,7 @@ def update(run, trajs: list[Trajectory]) -> dict:
         return out
 
     adv, returns, values = advantages(run, batch, mask, passes)
+    idle = idle_rows(run, adv, mask, B)
     ref_lp = None
     if run.ref is not None:
         ref_lp = passes(lambda idx: token_logprobs(run.ref, rows_of(batch, idx), cfg.temperature, mask=mask[idx])[0])
@@ -81,11 +82,10 @@ def update(run, trajs: list[Trajectory]) -> dict:
     old_lp = sampler_lp
     if cfg.tis_cap is not None or cfg.engine != "hf" or run.prec.dtype != torch.float32:
         old_lp = passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx), cfg.temperature,
-                                                   mask=mask[idx])[0], skip=idle_rows(run, adv, mask, B))
+                                                   mask=mask[idx])[0], skip=idle)
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
                "values": values, "returns": returns}
-    idle = idle_rows(run, adv, mask, B)
     # Sums over this rank, added over ranks at the end: losses weighted by their share of the global
     # loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch per token.
     acc = dict.fromkeys(("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
@@ -150,7 +150,8 @@ def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
     cfg = run.cfg
     if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
         return set()
-    return {i for i in range(B) if not bool((adv[i] * mask[i]).abs().sum())}
+    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass over the batch, not one per row
+    return {i for i, x in enumerate(signal) if x == 0}
 
 
 def micro_step(run, batch: dict, mask, targets: dict, idx: list[int], denominator: float, acc: dict,

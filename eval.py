@@ -252,8 +252,8 @@ def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: Rollout
     mine = [i for i in test_ids[global_rank()::world_size()] for _ in range(samples)]
     policy = EnginePolicy(engine, fmt, rcfg, generator)
 
-    def play(pool, items, groups):
-        return rollout(policy, pool, env, items, groups, rcfg, fmt=fmt, agent=agent)
+    def play(pool, items, groups, progress=None):
+        return rollout(policy, pool, env, items, groups, rcfg, fmt=fmt, agent=agent, progress=progress)
 
     try:
         trajs = play_in_chunks(url, batch, mine, [k // samples for k in range(len(mine))], play,
@@ -327,8 +327,8 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
     print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
           f"temperature {cfg.temperature:g}, policy {name}")
 
-    def play(pool, items, groups):
-        return rollout(policy, pool, cfg.env, items, groups, rcfg, fmt=fmt, agent=cfg.agent)
+    def play(pool, items, groups, progress=None):
+        return rollout(policy, pool, cfg.env, items, groups, rcfg, fmt=fmt, agent=cfg.agent, progress=progress)
 
     trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval")
     result = score(cfg, name, tasks, category, episodes, trajs, time.time() - t0)

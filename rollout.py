@@ -319,17 +319,28 @@ def _worse(a: str, b: str) -> str:
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "play",
                    leave: bool = True, timeout: float = 120.0) -> list[Trajectory]:
     """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
-    play(pool, items, groups) -> trajectories, chunk by chunk, with a progress bar. The last chunk is
-    padded to the pool's size with copies, which are dropped after."""
+    play(pool, items, groups, progress) -> trajectories, chunk by chunk. The last chunk is padded to the
+    pool's size with copies, which are dropped after. The progress bar counts ended episodes and shows
+    the chunk and turn it is at; `play` hands `progress` on to rollout()."""
     from tqdm import tqdm
 
     size = max(1, min(size, len(items)))
     trajs: list[Trajectory] = []
-    with EnvPool(url, size, timeout=timeout) as pool:
-        for s in tqdm(range(0, len(items), size), desc=desc, leave=leave, dynamic_ncols=True):
+    n_chunks = -(-len(items) // size)
+    with EnvPool(url, size, timeout=timeout) as pool, \
+            tqdm(total=len(items), desc=desc, leave=leave, unit="ep", dynamic_ncols=True) as bar:
+        for c, s in enumerate(range(0, len(items), size)):
             its, gs = items[s:s + size], groups[s:s + size]
-            got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)))
+
+            def progress(turn: int, ended: int, n: int, real: int = len(its), c: int = c) -> None:
+                bar.n = s + min(ended, real)  # the padding copies are not counted
+                bar.set_postfix_str(f"chunk {c + 1}/{n_chunks}, turn {turn}", refresh=False)
+                bar.refresh()
+
+            got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)), progress)
             trajs += got[: len(its)]
+            bar.n = len(trajs)
+            bar.refresh()
     return trajs
 
 

@@ -92,8 +92,8 @@ def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rc
     fmt = ChatFormat(tokenizer)
     policy = EnginePolicy(HFEngine(model, pad_id(tokenizer)), fmt, rcfg, generator)
 
-    def play_chunk(pool, items, groups):
-        return rollout(policy, pool, env_name, items, groups, rcfg, fmt=fmt)
+    def play_chunk(pool, items, groups, progress=None):
+        return rollout(policy, pool, env_name, items, groups, rcfg, fmt=fmt, progress=progress)
 
     return play_in_chunks(env_addr, pool_size, item_ids, list(range(len(item_ids))), play_chunk, desc="play",
                           leave=False)

@@ -244,6 +244,7 @@ class Run:
     saved: int = 0  # the step of the checkpoint on disk
     lr_scale: float = 1.0  # halved by the --max-update-kl guard
     reporter: object = None  # report.Reporter (rank 0; --report-to)
+    show: object = lambda text: None  # shows what the step is doing now on the progress bar (rank 0)
 
 
 def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
@@ -331,10 +332,14 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
     item_ids, groups = rank_items(chosen, cfg.batch_size, cfg.group_size, rank, world)
     t0 = time.time()
 
+    rounds = iter(["rollout"] + [f"resample {r}" for r in range(1, cfg.max_resample + 1)])
+
     def play_groups(item_ids, groups):
+        what = next(rounds)
         with generating(run.engine, run.prec.model):
             return rollout(EnginePolicy(run.engine, run.fmt, rcfg, run.sample_gen), run.pool, cfg.env, item_ids,
-                           groups, rcfg, fmt=run.fmt, agent=cfg.agent)
+                           groups, rcfg, fmt=run.fmt, agent=cfg.agent,
+                           progress=lambda turn, ended, n: run.show(f"{what} turn {turn}/{K}, {ended}/{n} ended"))
 
     trajs = play_groups(item_ids, groups)
     everyone = all_gather_list(trajs)
@@ -408,6 +413,7 @@ def train_step(run: Run, step: int, intr: Interrupts) -> dict:
         t1 = time.time()
         if played > errors and not m["bad"] and (kept or world_size() > 1):  # collective under torchrun
             m["lr"] = set_lr(run, step)
+            run.show(f"update of {len(kept)} trajectories")
             torch.set_num_threads(run.update_threads)
             try:
                 m.update(update(run, kept))
@@ -477,6 +483,9 @@ def loop(run: Run) -> dict:
     run.safe, run.saved = (run.start - 1, snapshot(run)), run.start - 1
     bar = tqdm(range(run.start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}", initial=run.start - 1, total=cfg.steps,
                dynamic_ncols=True, disable=rank != 0)
+    shown = [""]  # the last step's figures, kept in front of what the step now playing is doing
+    if rank == 0:
+        run.show = lambda text: bar.set_postfix_str(", ".join(x for x in (shown[0], text) if x))
     try:
         with Interrupts(defer_all=world > 1) as intr:
             try:
@@ -487,8 +496,9 @@ def loop(run: Run) -> dict:
                     run.safe = (step - 1, snapshot(run))  # a stop in this step's rollout replays the step on resume
                     env_ready(run.server, run.url, cfg.env_wait if bad_steps else 0.0)
                     last = train_step(run, step, intr)  # sets run.safe to this step once its update is made
-                    bar.set_postfix(K=last["max_turns"], reward=f"{last['reward_mean']:.2f}",
-                                    success=f"{last['success_rate']:.2f}")
+                    shown[0] = (f"K={last['max_turns']}, reward={last['reward_mean']:.2f}, "
+                                f"success={last['success_rate']:.2f}")
+                    run.show("")
                     bad_steps = bad_steps + 1 if last.pop("bad") else 0
                     if bad_steps:
                         too_many_env_errors(run, step, last, bad_steps, intr)

@@ -13,7 +13,7 @@ from env_client import EnvPool
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
-from rollout import (ChatFormat, EnginePolicy, RolloutConfig, build_batch, length_buckets, rollout,
+from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, length_buckets, rollout,
                      write_log)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -261,3 +261,27 @@ def test_fewer_tasks_than_instances_leave_the_rest_idle(textcraft_url):
         trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft", [3, 5], [7, 7],
                         rcfg, fmt=fmt)
         assert [(t.item_id, t.group, t.turns, t.status) for t in trajs] == [(3, 7, 2, "max_turns"), (5, 7, 2, "max_turns")]
+
+
+def test_play_in_chunks_counts_ended_episodes_chunk_by_chunk(textcraft_url, capsys):
+    """Five episodes on two instances: three chunks, the last padded with a copy that is dropped; the
+    progress bar counts episodes (not chunks) and names the chunk and turn."""
+    from rollout import play_in_chunks
+
+    class Inventory:  # a text policy: looks at its inventory until the horizon
+        def replies(self, trajs, slots):
+            return [Reply("Action: inventory") for _ in trajs]
+
+    seen = []
+
+    def play(pool, items, groups, progress):
+        def spy(turn, ended, n):
+            seen.append((turn, ended, n))
+            progress(turn, ended, n)
+        return rollout(Inventory(), pool, "textcraft", items, groups, RolloutConfig(max_turns=2), progress=spy)
+
+    trajs = play_in_chunks(textcraft_url, 2, [4, 5, 6, 7, 8], [0, 1, 2, 3, 4], play, desc="eval")
+    assert [t.item_id for t in trajs] == [4, 5, 6, 7, 8] and all(t.status == "max_turns" for t in trajs)
+    assert seen == [(1, 0, 2), (2, 2, 2)] * 3  # every chunk, padded to the pool's two instances
+    err = capsys.readouterr().err
+    assert "5/5" in err and "chunk 3/3, turn 2" in err

@@ -55,7 +55,9 @@ def metrics(out_dir):
 ])
 def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     out = str(tmp_path / "run")
-    run_train([*TINY, "--algo", algo, "--steps", "2", "--schedule", "2,3", "--out", out, *extra], cache_dir)
+    shown = run_train([*TINY, "--algo", algo, "--steps", "2", "--schedule", "2,3", "--out", out, *extra], cache_dir).stderr
+    # the progress bar says what the step is doing: its rollout's turn, then the update
+    assert "rollout turn 1/2" in shown and "rollout turn 3/3" in shown and "update of 4 trajectories" in shown
     m = metrics(out)
     assert [x["step"] for x in m] == [1, 2] and [x["max_turns"] for x in m] == [2, 3]
     for key in ("reward_mean", "success_rate", "turns_mean", "status_done", "loss", "kl", "entropy", "grad_norm",

@@ -4,6 +4,7 @@
     python eval.py --env babyai --model Qwen/Qwen2.5-3B-Instruct --n 8        # any HF model folder or hub name
     python eval.py --env textcraft --endpoint http://host:8000/v1 --endpoint-model qwen  # OpenAI-compatible
     python eval.py --env corridor --greedy                                     # the built-in tiny model
+    python eval.py --compare start.json,end.json     # two results compared task by task, with an interval
 
 Each test task is played n times (sampled, temperature 1 by default; `--greedy` plays once at
 temperature 0). With s_ij the score of sample j of task i (the env's reward: 0/1 for TextCraft, the
@@ -89,6 +90,10 @@ class EvalConfig:
                           "with other runs: give each --threads 1 (cli.cpu_threads)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
+    # Compare instead of play
+    compare: str | None = arg(None, "START.json,END.json: two results of this script on the same tasks, compared "
+                                    "task by task (paired counts, the change with a 95% interval, a sign test); "
+                                    "plays nothing")
 
 
 # What a training run's config.json says about how to play its policy: eval.py's fields, by train.py's.
@@ -111,6 +116,20 @@ def from_run(saved: dict) -> tuple[dict, dict]:
 
 def parse_args(argv=None) -> EvalConfig:
     p, cfg = parse_config(EvalConfig, argv, __doc__, prog="eval.py", adapt=from_run)
+    if cfg.compare is not None:
+        paths = cfg.compare.split(",")
+        if len(paths) != 2:
+            p.error(f"--compare: give two result files as START.json,END.json, not {cfg.compare!r}")
+        for path in paths:
+            if not os.path.isfile(path):
+                p.error(f"--compare: no file {path}")
+            try:
+                with open(path) as f:
+                    if "tasks" not in json.load(f):
+                        p.error(f"--compare: {path} is not a result of eval.py (it has no per-task scores)")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
+                p.error(f"--compare: {path} is not a result of eval.py (not a JSON object)")
+        return cfg
     if sum(x is not None for x in (cfg.checkpoint, cfg.model, cfg.endpoint)) > 1:
         p.error("give at most one of --checkpoint, --model, --endpoint")
     if cfg.endpoint and not cfg.endpoint_model:
@@ -297,6 +316,12 @@ def load_local(cfg: EvalConfig):
 
 
 def main(cfg: EvalConfig) -> dict:
+    if cfg.compare:
+        start, end = cfg.compare.split(",")
+        with open(start) as f, open(end) as g:
+            c = compare(json.load(f), json.load(g))
+        print_comparison(c, start, end)
+        return c
     with serving(cfg.env, cfg.env_addr) as (url, _):
         return evaluate(cfg, url)
 
@@ -372,6 +397,47 @@ def print_table(result: dict) -> None:
     ex = result["excluded"]
     print(f"statuses {result['statuses']}; excluded: {ex['env_error']} env errors, "
           f"{ex['endpoint_error']} endpoint errors")
+
+
+def compare(start: dict, end: dict) -> dict:
+    """Two results on the same tasks, paired task by task. Each task's score is its mean over its
+    samples (the task's Avg@n); tasks missing from either result, or left without a scored sample, are
+    left out and counted. The change is the mean of the per-task differences, with a 95% normal
+    interval (1.96 standard errors of that mean); for 0/1 scores the paired counts and a two-sided
+    exact sign test (McNemar's) on the tasks whose outcome changed."""
+    import math
+
+    def per_task(r):
+        return {t["item_id"]: sum(t["scores"]) / len(t["scores"]) for t in r["tasks"] if t["scores"]}
+
+    a, b = per_task(start), per_task(end)
+    both = sorted(set(a) & set(b), key=str)
+    d = [b[i] - a[i] for i in both]
+    n = len(d)
+    mean = sum(d) / n if n else 0.0
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+    listed = {t["item_id"] for t in start["tasks"]} | {t["item_id"] for t in end["tasks"]}
+    out = {"tasks": n, "left_out": len(listed) - n,
+           "start": sum(a[i] for i in both) / max(n, 1), "end": sum(b[i] for i in both) / max(n, 1),
+           "change": mean, "ci95": [mean - 1.96 * se, mean + 1.96 * se]}
+    if all(a[i] in (0, 1) and b[i] in (0, 1) for i in both):  # one 0/1 sample per task: paired counts
+        gained = sum(a[i] == 0 and b[i] == 1 for i in both)
+        lost = sum(a[i] == 1 and b[i] == 0 for i in both)
+        k, m = min(gained, lost), gained + lost
+        p = min(1.0, 2 * sum(math.comb(m, j) for j in range(k + 1)) / 2 ** m) if m else 1.0
+        out.update(both=sum(a[i] == 1 and b[i] == 1 for i in both), gained=gained, lost=lost,
+                   neither=sum(a[i] == 0 and b[i] == 0 for i in both), sign_test_p=p)
+    return out
+
+
+def print_comparison(c: dict, start: str, end: str) -> None:
+    lo, hi = c["ci95"]
+    print(f"{c['tasks']} tasks in both results" + (f" ({c['left_out']} left out)" if c["left_out"] else ""))
+    print(f"  start {c['start']:.3f}  ({start})\n  end   {c['end']:.3f}  ({end})")
+    print(f"  change {100 * c['change']:+.1f} points, 95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    if "gained" in c:
+        print(f"  paired: {c['gained']} tasks gained, {c['lost']} lost, {c['both']} solved by both, "
+              f"{c['neither']} by neither; sign test p = {c['sign_test_p']:.3f}")
 
 
 if __name__ == "__main__":

@@ -171,3 +171,48 @@ def test_config_of_a_training_run_skips_its_training_fields_in_one_note(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fields eval.py does not use, skipped:" in err[0]
     assert "algo" in err[0] and "out (the run folder)" in err[0] and "env," not in err[0]
+
+
+def result(scores: dict) -> dict:
+    """An eval.py result with these per-task scores (task id -> list of sample scores)."""
+    return {"tasks": [{"item_id": i, "category": "all", "scores": s, "errors": 0} for i, s in scores.items()]}
+
+
+def test_compare_pairs_tasks_and_counts_the_changed_ones():
+    # 20 tasks: 4 solved by both, 9 gained, 1 lost, 6 by neither; task 99 only in the end result
+    start = {i: [1.0 if i < 4 or i == 4 else 0.0] for i in range(20)}
+    end = {i: [1.0 if i < 4 or 5 <= i < 14 else 0.0] for i in range(20)}
+    end[99] = [1.0]
+    c = ev.compare(result(start), result(end))
+    assert (c["tasks"], c["left_out"]) == (20, 1)
+    assert (c["both"], c["gained"], c["lost"], c["neither"]) == (4, 9, 1, 6)
+    assert (c["start"], c["end"], c["change"]) == pytest.approx((0.25, 0.65, 0.40))
+    # sign test by hand: P(at most 1 of 10 changed tasks goes the other way) = 11/1024, doubled
+    assert c["sign_test_p"] == pytest.approx(22 / 1024)
+    d = [0.0] * 4 + [-1.0] + [1.0] * 9 + [0.0] * 6  # the per-task differences
+    sd = (sum((x - 0.4) ** 2 for x in d) / 19) ** 0.5
+    assert c["ci95"] == pytest.approx([0.4 - 1.96 * sd / 20 ** 0.5, 0.4 + 1.96 * sd / 20 ** 0.5])
+    # no change at all: p = 1 and a zero-width interval at 0
+    same = ev.compare(result(start), result(start))
+    assert same["sign_test_p"] == 1.0 and same["ci95"] == pytest.approx([0.0, 0.0])
+
+
+def test_compare_averages_samples_per_task_and_skips_the_sign_test_for_scores():
+    c = ev.compare(result({1: [0.0, 1.0], 2: [0.5, 0.5]}), result({1: [1.0, 1.0], 2: [0.25, 0.75]}))
+    assert c["change"] == pytest.approx(0.25) and "sign_test_p" not in c
+
+
+def test_compare_from_the_command_line(tmp_path):
+    a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
+    a.write_text(json.dumps(result({i: [float(i < 3)] for i in range(10)})))
+    b.write_text(json.dumps(result({i: [float(i < 6)] for i in range(10)})))
+    bad.write_text(json.dumps({"success_rate": 0.5}))
+    out = subprocess.run([sys.executable, "eval.py", "--compare", f"{a},{b}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "change +30.0 points" in out.stdout and "3 tasks gained, 0 lost" in out.stdout
+    for arg, needle in [(f"{a}", "give two result files"), (f"{a},{tmp_path}/none.json", "no file"),
+                        (f"{a},{bad}", "not a result of eval.py")]:
+        out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and needle in out.stderr and out.stdout == "", (arg, out.stderr)

@@ -40,8 +40,10 @@ class HFEngine:
     optimizer step bumps the tensors' version counter) or are synced.
     """
 
-    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True):
+    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True, compact: bool = True):
         self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
+        self.compact = compact  # decode only the rows still generating once half of them have stopped
+        self.decoded_rows = 0  # rows computed over all decoding steps (with compaction, fewer than steps x rows)
         self._kept = None  # the previous call's cache and rows, for reuse=True
         self.reuse_ok = True  # False once the cache's layout turned out not to be the one _seeded_cache knows
         self.reused_tokens = self.encoded_tokens = 0  # prompt tokens taken from the kept cache / encoded
@@ -196,13 +198,21 @@ class HFEngine:
 
     def _decode(self, step, cache, max_new_tokens, stop_ids, temperature, top_p, generator):
         """Model calls until every row has sampled a stop id or max_new_tokens: (B, n) ids and their
-        sampler log-probs; a row that has stopped samples pad from then on (its attention ignores it)."""
+        sampler log-probs; a row that has stopped samples pad from then on.
+
+        Once half of the rows being computed have stopped, the others go on alone (`_Compacted`: their
+        keys and values move to a smaller cache, and back at the end): a reply that runs to
+        max_new_tokens no longer keeps every finished row in each model call. Sampling still draws for
+        all B rows (a stopped row draws from a uniform row and is discarded), so each row's sampling
+        stream is the one it would have had without compaction."""
         device = step["ids"].device
         stop = torch.tensor(stop_ids, device=device)
-        done = torch.zeros(step["ids"].shape[0], dtype=torch.bool, device=device)
+        B = step["ids"].shape[0]
+        done = torch.zeros(B, dtype=torch.bool, device=device)
         ids, pos, attn, cache_pos = step["ids"], step["pos"], step["attn"], step["cache_pos"]
         keep_last = self._keeps_last_logits()
         new_ids, new_lps = [], []
+        live = _Compacted(cache, B, device) if self.compact and B > 1 else None
         for _ in range(max_new_tokens):
             kw = {} if cache is None else {"cache_position": cache_pos}
             if keep_last:  # the LM head on the last position only: a prompt's other logits are never read,
@@ -211,7 +221,11 @@ class HFEngine:
                            use_cache=True, **kw)
             cache = step["cache"] = o.past_key_values
             cache_pos = cache_pos[-1:] + 1
-            nxt, lp = _sample(o.logits[:, -1].float(), temperature, top_p, generator)
+            logits = o.logits[:, -1].float()
+            self.decoded_rows += logits.shape[0]
+            if live is not None and live.rows is not None:  # the stopped rows' logits: uniform, then discarded
+                logits = logits.new_zeros(B, logits.shape[-1]).index_copy_(0, live.rows, logits)
+            nxt, lp = _sample(logits, temperature, top_p, generator)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             new_ids.append(nxt)
             new_lps.append(lp)
@@ -220,6 +234,11 @@ class HFEngine:
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             ids, pos = nxt[:, None], pos[:, -1:] + 1
+            if live is not None:
+                ids = ids if live.rows is None else ids[live.rows]
+                ids, pos, attn = live.shrink(done, ids, pos, attn)
+        if live is not None:
+            live.restore()
         return torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
 
     @staticmethod
@@ -230,6 +249,54 @@ class HFEngine:
             n = next((t + 1 for t, tok in enumerate(ids_row) if tok in stop_set), len(ids_row))
             out.append(Sample(ids_row[:n], lps_row[:n], n > 0 and ids_row[n - 1] in stop_set))
         return out
+
+
+class _Compacted:
+    """The rows of a decoding batch still being computed. `rows` (None: all B) are their indices in the
+    batch; `shrink` drops the stopped ones once they are half of those computed, moving the others'
+    keys and values into a smaller copy of each cache layer; `restore` writes the computed rows back
+    into the full layers (a stopped row's slots after its stop keep what they held: nothing reads them)
+    and puts them back, so that the cache can be kept for the next turn. A cache whose layers hold no
+    `keys`/`values` tensors is never compacted."""
+
+    def __init__(self, cache, B: int, device):
+        self.cache, self.B, self.device = cache, B, device
+        self.rows, self.full = None, None  # full: each layer's (keys, values) of all B rows, once compacted
+
+    def _compactable(self) -> bool:  # read when first needed: a static cache allocates on its first call
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(isinstance(getattr(x, "keys", None), torch.Tensor) and x.keys.shape[0] == self.B
+                                    and isinstance(getattr(x, "values", None), torch.Tensor) for x in layers)
+
+    def shrink(self, done, ids, pos, attn):
+        rows = self.rows if self.rows is not None else torch.arange(self.B, device=self.device)
+        going = ~done[rows]
+        if int(going.sum()) > len(rows) // 2 or (self.full is None and not self._compactable()):
+            return ids, pos, attn
+        keep = going.nonzero().squeeze(1)
+        layers = self.cache.layers
+        if self.full is None:
+            self.full = [(x.keys, x.values) for x in layers]
+        else:
+            self._write_back()
+        new_rows = rows[keep]
+        for x, (k, v) in zip(layers, self.full):
+            x.keys, x.values = k.index_select(0, new_rows), v.index_select(0, new_rows)
+        self.rows = new_rows
+        return ids[keep], pos[keep], attn[keep]
+
+    def _write_back(self):
+        for x, (k, v) in zip(self.cache.layers, self.full):
+            k.index_copy_(0, self.rows, x.keys)
+            v.index_copy_(0, self.rows, x.values)
+
+    def restore(self):
+        if self.full is None:
+            return
+        self._write_back()
+        for x, (k, v) in zip(self.cache.layers, self.full):
+            x.keys, x.values = k, v
+        self.rows = None
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:

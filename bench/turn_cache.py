@@ -1,11 +1,16 @@
-"""The KV cache kept across turns: the same episodes played with and without it, side by side.
+"""Two engine options, each off and on, side by side on the same episodes.
 
     python bench/turn_cache.py --env textcraft --tasks 52 --turns 30 --model PATH
+    python bench/turn_cache.py --compare compaction --temperature 1 --max-new-tokens 128 --model PATH
 
-Plays `--tasks` held-out tasks greedily twice with HFEngine, once encoding every prompt in full and
-once reusing the previous turn's keys and values (rollout()'s default), and prints both wall times,
-their ratio, the prompt tokens each run encoded, and whether the two played the same episodes. Greedy
-decoding makes the episodes comparable; the log-probs of the two differ only by float rounding.
+`--compare cache` (default): the KV cache kept across turns. Plays `--tasks` held-out tasks twice with
+HFEngine, once encoding every prompt in full and once reusing the previous turn's keys and values
+(rollout()'s default). `--compare compaction`: decoding only the rows still generating once half of a
+batch has stopped (HFEngine's default) against decoding every row until the last one stops. Prints
+both wall times, their ratio, the prompt tokens encoded and the rows computed by decoding, and whether
+the two played the same episodes. Greedy decoding (the default) or one seed for both makes the
+episodes comparable: compaction keeps each row's sampling stream, so the two differ only where float
+rounding flips a near tie.
 """
 
 import argparse
@@ -23,7 +28,7 @@ from engines import HFEngine  # noqa: E402
 from env_client import EnvPool, spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from env_server.app import ServerProcess  # noqa: E402
-from policy import load_model, load_tokenizer, pad_id  # noqa: E402
+from policy import load_model, load_tokenizer, pad_id, resolve_dtype  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
@@ -35,29 +40,40 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--model", default=None, help="HF model folder (default: the env's warm-started tiny model)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--compare", choices=["cache", "compaction"], default="cache")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, the same seed for both")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
     a = p.parse_args()
     torch.set_num_threads(cpu_threads(a.threads))
     path = a.model or models.default_model_path(a.env, a.cache_dir)
     tok, model = load_tokenizer(path), load_model(path)
+    model = model.to(resolve_dtype(a.dtype, torch.device("cpu"), model))
     fmt = ChatFormat(tok)
     cls = get_env_class(a.env)
     items = spread(cls.splits(cls.load_world(None))["test"], a.tasks)
-    rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens, temperature=0.0)
+    rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    settings = {"cache": (("full prompt every turn", {"reuse_ok": False}), ("cache kept across turns", {})),
+                "compaction": (("every row to the end", {"compact": False}), ("rows still going", {}))}[a.compare]
     runs = {}
     with ServerProcess(a.env) as server:
-        for name, reuse in (("full prompt every turn", False), ("cache kept across turns", True)):
+        for name, attrs in settings:
             engine = HFEngine(model, pad_id(tok))
-            engine.reuse_ok = reuse
+            for k, v in attrs.items():
+                setattr(engine, k, v)
+            gen = torch.Generator().manual_seed(0)
             with EnvPool(server.url, len(items)) as pool:
                 t0 = time.perf_counter()
-                trajs = rollout(EnginePolicy(engine, fmt, rcfg), pool, a.env, items, list(range(len(items))), rcfg, fmt=fmt)
+                trajs = rollout(EnginePolicy(engine, fmt, rcfg, gen), pool, a.env, items, list(range(len(items))),
+                                rcfg, fmt=fmt)
                 runs[name] = (time.perf_counter() - t0, engine, trajs)
-    print(f"{a.env}: {len(items)} tasks x up to {a.turns} turns, greedy, {path}")
+    how = "greedy" if a.temperature <= 0 else f"temperature {a.temperature:g}, seed 0"
+    print(f"{a.env}: {len(items)} tasks x up to {a.turns} turns, {how}, {a.max_new_tokens} new tokens, "
+          f"{next(model.parameters()).dtype}, {path}")
     for name, (wall, engine, trajs) in runs.items():
         turns = sum(t.turns for t in trajs)
         print(f"  {name:24s} {wall:7.1f} s  prompt tokens encoded {engine.encoded_tokens:>9,}  "
-              f"reused {engine.reused_tokens:>9,}  turns {turns}")
+              f"reused {engine.reused_tokens:>9,}  decoded rows {engine.decoded_rows:>9,}  turns {turns}")
     (w0, _, t0s), (w1, _, t1s) = runs.values()
     same = [a_.token_ids == b_.token_ids for a_, b_ in zip(t0s, t1s)]
     print(f"  speed-up {w0 / w1:.2f}x; identical episodes {sum(same)}/{len(same)} "

@@ -44,6 +44,13 @@ def test_turn_cache_bench_runs(tmp_path):
                   for line in out.stdout.splitlines() if "encoded" in line)
     assert full[1] == "0" and int(kept[1].replace(",", "")) > 0  # only the second run reuses
     assert "identical episodes 4/4" in out.stdout
+    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor", "--tasks", "6", "--turns", "3",
+                          "--max-new-tokens", "8", "--model", path, "--threads", "1", "--compare", "compaction",
+                          "--temperature", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    every, going = (int(re.search(r"decoded rows\s+([\d,]+)", line).group(1).replace(",", ""))
+                    for line in out.stdout.splitlines() if "decoded rows" in line)
+    assert going <= every and "identical episodes 6/6" in out.stdout, out.stdout  # sampled, one seed: the same
 
 
 def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):

@@ -251,6 +251,31 @@ def test_hf_engine_keeps_the_cache_across_turns():
     assert kept._kept is None
 
 
+def test_hf_engine_decodes_only_the_rows_still_going():
+    """Once half the rows have stopped, the rest are decoded alone: the same samples and log-probs as
+    decoding every row to the end (each row's sampling stream is unchanged), fewer rows computed, and
+    the cache kept for the next turn still serves it (three turns with reuse=True)."""
+    from tiny_model import build_model
+    torch.manual_seed(0)
+    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
+    compact, plain = HFEngine(model, pad_id=0), HFEngine(model, pad_id=0, compact=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[int(x) for x in torch.randint(10, 64, (n,), generator=g)] for n in (4, 9, 13, 6, 21, 8, 5, 11)]
+    stops = list(range(1, 10))  # about one token in seven stops a row: rows end at different steps
+    stopped_at = []
+    for turn in range(3):
+        a = compact.generate(prompts, 24, stops, 1.0, generator=torch.Generator().manual_seed(turn), reuse=True)
+        b = plain.generate(prompts, 24, stops, 1.0, generator=torch.Generator().manual_seed(turn))
+        assert [s.ids for s in a] == [s.ids for s in b]
+        for s, t in zip(a, b):
+            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5)
+        stopped_at.append(sorted(len(s.ids) for s in a))
+        prompts = [p + s.ids + [12, 13] for p, s in zip(prompts, a)]
+    assert all(x[0] < x[-1] for x in stopped_at)  # rows did stop at different steps
+    assert compact.reused_tokens > 0  # the compacted cache was kept and reused
+    assert compact.decoded_rows < 0.8 * plain.decoded_rows, (compact.decoded_rows, plain.decoded_rows)
+
+
 def test_fewer_tasks_than_instances_leave_the_rest_idle(textcraft_url):
     """Dynamic sampling plays fewer groups than the step's pool holds: those trajectories come back
     whole, and the other instances are neither reset nor stepped."""

@@ -108,6 +108,7 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
             ax.axvspan(a - 0.5, b + 0.5, color=("#e8eef7" if j % 2 == 0 else "#f5efe6"), zorder=0)
             ax.text((a + b) / 2, 1.0, f"K={k}", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
                     fontsize=8, color="0.35")
+        drawn = set()  # the --max-update-kl bounds drawn on this panel
         for i, (r, name) in enumerate(zip(runs, labels)):
             c = colors[i % len(colors)]
             if i != shaded and run_stages[i] != run_stages[shaded]:
@@ -119,6 +120,12 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
             if key == "update_kl":  # spans decades, and a single step that moved far is the point: raw, log scale
                 ax.plot(r["steps"], r[key], color=c, linewidth=2, marker=".", label=name)
                 ax.set_yscale("log")
+                bound = r["config"].get("max_update_kl")
+                if bound and bound not in drawn:  # one line per bound, however many runs share it
+                    drawn.add(bound)
+                    ax.axhline(bound, color="0.4", linestyle="--", linewidth=1)
+                    ax.text(r["steps"][0], bound, f" --max-update-kl {bound:g}: a step above it halves the lr",
+                            color="0.3", fontsize=7, va="bottom")
                 continue
             ax.plot(r["steps"], r[key], color=c, alpha=0.25, linewidth=1)
             ax.plot(r["steps"], smooth(r[key], window), color=c, linewidth=2, label=name)

@@ -120,6 +120,29 @@ def test_update_kl_and_informative_groups_get_their_panels(tmp_path):
     assert seen == [4, 2] and (tmp_path / "n.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_update_kl_panel_draws_the_runs_guard_once(tmp_path):
+    """Two runs with --max-update-kl 0.01 (and one without): one dashed line at the bound."""
+    for name, bound in (("a", 0.01), ("b", 0.01), ("c", None)):
+        write_run(tmp_path / name, [2] * 3, "2")
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            rows = [json.loads(x) for x in f]
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({**row, "update_kl": 1e-3 * (i + 1)}) + "\n" for i, row in enumerate(rows))
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump({"env": "textcraft", "algo": "grpo", "schedule": "2", "max_update_kl": bound}, f)
+    import matplotlib.pyplot as plt
+    made = []
+    real = plt.subplots
+    plt.subplots = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    try:
+        plot.plot([str(tmp_path / n) for n in "abc"], str(tmp_path / "k.png"))
+    finally:
+        plt.subplots = real
+    kl_axis = made[0][1][-1]
+    flat = [ln for ln in kl_axis.get_lines() if len(set(ln.get_ydata())) == 1]
+    assert len(flat) == 1 and flat[0].get_ydata()[0] == 0.01 and flat[0].get_linestyle() == "--"
+
+
 def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
     write_run(tmp_path / "a", [2] * 4, "2")
     write_run(tmp_path / "b", [2] * 4, "2")

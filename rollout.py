@@ -332,8 +332,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
         for c, s in enumerate(range(0, len(items), size)):
             its, gs = items[s:s + size], groups[s:s + size]
 
-            def progress(turn: int, ended: int, n: int, real: int = len(its), c: int = c) -> None:
-                bar.n = s + min(ended, real)  # the padding copies are not counted
+            def progress(turn: int, ended: int, n: int) -> None:  # called while this chunk plays
+                bar.n = s + min(ended, len(its))  # the padding copies are not counted
                 bar.set_postfix_str(f"chunk {c + 1}/{n_chunks}, turn {turn}", refresh=False)
                 bar.refresh()
 

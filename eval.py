@@ -90,6 +90,9 @@ class EvalConfig:
                           "with other runs: give each --threads 1 (cli.cpu_threads)")
     cache_dir: str = arg(os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"),
                          "where the built-in tiny model is built once")
+    curriculum: str | None = arg(None, "also write FILE: the ids of the tasks whose samples scored differently (a "
+                                       "pass rate strictly between 0 and 1), as a list for train.py --tasks-file; "
+                                       "needs n >= 2 and sampling, on the training split")
     # Compare instead of play
     compare: str | None = arg(None, "START.json,END.json: two results of this script on the same tasks, compared "
                                     "task by task (paired counts, the change with a 95% interval, a sign test); "
@@ -149,6 +152,17 @@ def parse_args(argv=None) -> EvalConfig:
     check_device(p, cfg.device)
     check_env(p, cfg)
     check_model(p, cfg.model)
+    if cfg.curriculum is not None:
+        if cfg.greedy:
+            p.error("--curriculum needs sampled episodes; --greedy plays each task once, the same way")
+        if cfg.n < 2:
+            p.error(f"--curriculum needs --n 2 or more (got {cfg.n}): one sample per task cannot tell a task solved "
+                    "only sometimes")
+        if cfg.split == "test":
+            p.error("--curriculum: estimate it on the training split (--split train); a list from the test split "
+                    "would train on the held-out tasks")
+        if os.path.isdir(cfg.curriculum):
+            p.error(f"--curriculum {cfg.curriculum} is a folder; give a file path")
     if cfg.greedy:
         if cfg.n != 1:
             print(f"--greedy: temperature 0 plays each task the same way; n forced from {cfg.n} to 1")
@@ -364,7 +378,29 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
         json.dump(result, f, indent=2)
     print_table(result)
     print(f"wrote {cfg.out} and {os.path.join(out_dir, 'eval_rollouts.jsonl')}")
+    if cfg.curriculum:
+        write_curriculum(result, cfg.curriculum)
     return result
+
+
+def sometimes_solved(result: dict) -> list:
+    """The ids of the tasks whose scored samples differ: for 0/1 scores, a pass rate strictly between 0
+    and 1. The only tasks whose GRPO groups can carry signal from the start (a group that ties has zero
+    advantage), so a run trained on them wastes fewer rollouts."""
+    return [t["item_id"] for t in result["tasks"] if len(set(t["scores"])) > 1]
+
+
+def write_curriculum(result: dict, path: str) -> None:
+    ids = sometimes_solved(result)
+    scored = sum(1 for t in result["tasks"] if len(t["scores"]) > 1)
+    if not ids:
+        raise SystemExit(f"--curriculum: no task of the {scored} with 2 or more scored samples was solved only "
+                         f"sometimes; {path} not written (try more samples, or a policy between always and never)")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(ids, f)
+    print(f"curriculum: {len(ids)} of {scored} tasks solved only sometimes -> {path} "
+          f"(train on them: train.py --tasks-file {path})")
 
 
 def score(cfg: EvalConfig, policy: str, tasks, category, episodes, trajs, seconds: float) -> dict:

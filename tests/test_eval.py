@@ -216,3 +216,69 @@ def test_compare_from_the_command_line(tmp_path):
         out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and needle in out.stderr and out.stdout == "", (arg, out.stderr)
+
+
+def fake_chat_server_each_way():
+    """A chat endpoint whose first episode of each game walks right and whose second walks left: the
+    reply to an opening goes by how often that opening was seen, a later reply repeats the episode's
+    last move. Each reachable Corridor task is then won by exactly one of two samples."""
+    import threading
+
+    app, seen, lock = Flask("fake_chat_each_way"), {}, threading.Lock()
+
+    @app.post("/v1/chat/completions")
+    def chat():
+        from flask import request
+        messages = request.get_json()["messages"]
+        if len(messages) == 3:  # the opening: instruction, acknowledgement, first observation
+            with lock:
+                k = seen[messages[2]["content"]] = seen.get(messages[2]["content"], -1) + 1
+            move = "Action: right" if k % 2 == 0 else "Action: left"
+        else:
+            move = messages[-2]["content"]
+        return jsonify({"choices": [{"index": 0, "message": {"role": "assistant", "content": move},
+                                     "finish_reason": "stop"}]})
+
+    url, stop = serve_wsgi_in_thread(app)
+    return url + "/v1", stop
+
+
+def test_curriculum_keeps_the_tasks_solved_only_sometimes(tmp_path, corridor_url, capsys):
+    url, stop = fake_chat_server_each_way()
+    path = str(tmp_path / "sometimes.json")
+    try:
+        # Training tasks 0-5 put the goal 1, 1, 2, 2, 4, 4 cells away; with K = 3 the last two are never reached.
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
+                                     "--endpoint-model", "fake", "--split", "train", "--n", "2", "--limit", "6",
+                                     "--max-turns", "3", "--out", str(tmp_path / "r.json"), "--curriculum", path]))
+    finally:
+        stop()
+    assert {t["item_id"]: sorted(t["scores"]) for t in res["tasks"]} == \
+        {0: [0.0, 1.0], 1: [0.0, 1.0], 2: [0.0, 1.0], 3: [0.0, 1.0], 4: [0.0, 0.0], 5: [0.0, 0.0]}
+    assert json.load(open(path)) == [0, 1, 2, 3]
+    assert "4 of 6 tasks solved only sometimes" in capsys.readouterr().out
+    from cli import task_lists
+    splits = task_lists(corridor_url, "corridor", path)["splits"]  # what train.py --tasks-file trains on
+    assert splits["train"] == [0, 1, 2, 3] and splits["test"] == list(range(48, 60))
+
+
+def test_curriculum_with_no_task_between_writes_nothing(tmp_path):
+    path = tmp_path / "none.json"
+    tied = {"tasks": [{"item_id": 1, "scores": [1.0, 1.0]}, {"item_id": 2, "scores": [0.0, 0.0]},
+                      {"item_id": 3, "scores": [1.0]}]}  # task 3: one sample left after an error
+    with pytest.raises(SystemExit, match="no task of the 2 with 2 or more scored samples"):
+        ev.write_curriculum(tied, str(path))
+    assert not path.exists()
+    assert ev.sometimes_solved({"tasks": [{"item_id": 7, "scores": [0.25, 0.5]}, *tied["tasks"]]}) == [7]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--n", "1", "--split", "train"], "needs --n 2 or more"),
+    (["--greedy", "--split", "train"], "needs sampled episodes"),
+    (["--n", "4"], "estimate it on the training split"),
+])
+def test_curriculum_flags_are_checked_first(tmp_path, argv, needle):
+    out = subprocess.run([sys.executable, "eval.py", "--env", "corridor", "--curriculum", str(tmp_path / "c.json"),
+                          *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and needle in out.stderr and out.stdout == "", out.stderr
+    assert os.listdir(tmp_path) == []

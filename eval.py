@@ -22,7 +22,8 @@ envs without one (e.g. a remote WebArena) get a single category "all".
 
 Writes OUT (JSON: config, per-task scores, overall and per-category avg@n / pass@n, status counts,
 excluded errors) and OUT_DIR/eval_rollouts.jsonl (the trajectories, in the rollout log format), and
-prints a table. `held_out` is train.py's evaluation during a run: one sample per test task, split
+prints a table. While it plays, each chunk of --batch episodes goes to OUT.partial.jsonl as it ends: the
+same command after a cut plays only the chunks left, from the seeds the uncut run would have used. `held_out` is train.py's evaluation during a run: one sample per test task, split
 across torchrun's ranks.
 """
 
@@ -170,7 +171,62 @@ def parse_args(argv=None) -> EvalConfig:
     if cfg.out is None:
         cfg.out = (os.path.join(cfg.checkpoint, f"eval_{cfg.split}.json") if cfg.checkpoint
                    else f"eval_{cfg.env}_{cfg.split}.json")
+    if os.path.exists(partial_path(cfg.out)):
+        try:
+            read_partial(cfg)
+        except ValueError as e:
+            p.error(str(e))
     return cfg
+
+
+# ---------------------------------------------------------------- a cut evaluation, continued
+# Fields that do not change what is played: a cut evaluation continues under other values of these.
+FREE_TO_CHANGE = ("out", "threads", "curriculum", "endpoint_workers", "endpoint_timeout_s", "endpoint_retries")
+
+
+def partial_path(out: str) -> str:
+    return out + ".partial.jsonl"
+
+
+def play_settings(cfg: EvalConfig) -> dict:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in FREE_TO_CHANGE}
+
+
+def read_partial(cfg: EvalConfig) -> list[Trajectory]:
+    """The trajectories of the chunks a cut evaluation finished (OUT.partial.jsonl: a line of settings,
+    then one trajectory per line); ValueError, naming the file, when its settings are not cfg's."""
+    path = partial_path(cfg.out)
+    try:
+        with open(path, encoding="utf-8") as f:
+            head, *lines = [json.loads(x) for x in f if x.strip()]
+        settings = head["settings"]
+        trajs = [Trajectory(**{k: d[k] for k in Trajectory.__dataclass_fields__ if k in d}) for d in lines]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a cut evaluation of eval.py ({type(e).__name__}: {e}); remove it") from None
+    mine = play_settings(cfg)
+    differ = [k for k in sorted(set(mine) | set(settings)) if mine.get(k) != settings.get(k)]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"{path} holds a cut evaluation with --{k.replace('_', '-')} {settings.get(k)}, not "
+                         f"{mine.get(k)}: give its settings to continue it, or remove it to start again")
+    return trajs
+
+
+def write_partial(cfg: EvalConfig, trajs: list[Trajectory]) -> None:
+    path = partial_path(cfg.out)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"settings": play_settings(cfg)}) + "\n")
+        for t in trajs:
+            f.write(json.dumps(dataclasses.asdict(t)) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The sampling seed of a chunk: --seed for the first, one drawn from (seed, chunk) for the others,
+    so that a continued evaluation samples as the uncut one would have."""
+    import hashlib
+
+    return seed if chunk == 0 else int(hashlib.sha256(f"eval {seed} chunk {chunk}".encode()).hexdigest()[:15], 16)
 
 
 # ---------------------------------------------------------------- the metrics
@@ -369,13 +425,34 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
     def play(pool, items, groups, progress=None):
         return rollout(policy, pool, cfg.env, items, groups, rcfg, fmt=fmt, agent=cfg.agent, progress=progress)
 
-    trajs = play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval")
-    result = score(cfg, name, tasks, category, episodes, trajs, time.time() - t0)
+    # Each chunk of episodes is kept in OUT.partial.jsonl as it ends: a cut evaluation, run again with the
+    # same settings, plays only the chunks left, each from its own seed, as the uncut one would have.
+    played = read_partial(cfg) if os.path.exists(partial_path(cfg.out)) else []
+    if played:
+        print(f"continuing the cut evaluation in {partial_path(cfg.out)}: {len(played)} of {len(episodes)} "
+              "episodes played")
     out_dir = os.path.dirname(os.path.abspath(cfg.out))
     os.makedirs(out_dir, exist_ok=True)
+
+    def seed_chunk(c: int) -> None:
+        if not cfg.endpoint:
+            generator.manual_seed(chunk_seed(cfg.seed, c))
+
+    def chunk_done(c: int, got: list[Trajectory]) -> None:
+        played.extend(got)
+        write_partial(cfg, played)
+        seed_chunk(c + 1)
+
+    seed_chunk(len(played) // max(1, min(cfg.batch, len(episodes))))
+    trajs = list(played) if len(played) == len(episodes) else \
+        play_in_chunks(url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval",
+                       played=list(played), chunk_done=chunk_done)
+    result = score(cfg, name, tasks, category, episodes, trajs, time.time() - t0)
     write_log(os.path.join(out_dir, "eval_rollouts.jsonl"), 0, cfg.max_turns, trajs)
     with open(cfg.out, "w") as f:
         json.dump(result, f, indent=2)
+    if os.path.exists(partial_path(cfg.out)):
+        os.remove(partial_path(cfg.out))
     print_table(result)
     print(f"wrote {cfg.out} and {os.path.join(out_dir, 'eval_rollouts.jsonl')}")
     if cfg.curriculum:

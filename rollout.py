@@ -317,19 +317,26 @@ def _worse(a: str, b: str) -> str:
 
 
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "play",
-                   leave: bool = True, timeout: float = 120.0) -> list[Trajectory]:
+                   leave: bool = True, timeout: float = 120.0, played: list[Trajectory] = (),
+                   chunk_done=None) -> list[Trajectory]:
     """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
     play(pool, items, groups, progress) -> trajectories, chunk by chunk. The last chunk is padded to the
     pool's size with copies, which are dropped after. The progress bar counts ended episodes and shows
-    the chunk and turn it is at; `play` hands `progress` on to rollout()."""
+    the chunk and turn it is at; `play` hands `progress` on to rollout(). `played`: the trajectories of
+    the first chunks, played before (a whole number of chunks); they are not played again.
+    `chunk_done(c, trajectories)` is called after each chunk c."""
     from tqdm import tqdm
 
     size = max(1, min(size, len(items)))
-    trajs: list[Trajectory] = []
+    if len(played) % size and len(played) != len(items):
+        raise ValueError(f"{len(played)} episodes played before are not whole chunks of {size}")
+    trajs: list[Trajectory] = list(played)
     n_chunks = -(-len(items) // size)
     with EnvPool(url, size, timeout=timeout) as pool, \
-            tqdm(total=len(items), desc=desc, leave=leave, unit="ep", dynamic_ncols=True) as bar:
+            tqdm(total=len(items), initial=len(trajs), desc=desc, leave=leave, unit="ep", dynamic_ncols=True) as bar:
         for c, s in enumerate(range(0, len(items), size)):
+            if s < len(trajs):
+                continue
             its, gs = items[s:s + size], groups[s:s + size]
 
             def progress(turn: int, ended: int, n: int) -> None:  # called while this chunk plays
@@ -339,6 +346,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
 
             got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)), progress)
             trajs += got[: len(its)]
+            if chunk_done:
+                chunk_done(c, got[: len(its)])
             bar.n = len(trajs)
             bar.refresh()
     return trajs

@@ -282,3 +282,35 @@ def test_curriculum_flags_are_checked_first(tmp_path, argv, needle):
                           *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and needle in out.stderr and out.stdout == "", out.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, monkeypatch, capsys):
+    # 6 tasks x 2 samples on 4 env instances: 3 chunks; the cut comes as the third starts.
+    args = ["--env", "corridor", "--env-addr", corridor_url, "--limit", "6", "--n", "2", "--batch", "4",
+            "--max-turns", "4", "--max-new-tokens", "4", "--threads", "1", "--cache-dir", str(tmp_path / "cache")]
+    whole = ev.main(ev.parse_args([*args, "--out", str(tmp_path / "whole" / "r.json")]))
+    out = str(tmp_path / "cut" / "r.json")
+    real, calls = ev.rollout, []
+
+    def counted(*a, **k):  # one call per chunk; the third of the first run is cut
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "rollout", counted)
+    with pytest.raises(KeyboardInterrupt):
+        ev.main(ev.parse_args([*args, "--out", out]))
+    assert not os.path.exists(out) and len(ev.read_partial(ev.parse_args([*args, "--out", out]))) == 8
+    with pytest.raises(SystemExit):  # other settings would mix two evaluations in one result
+        ev.parse_args([*args, "--out", out, "--max-turns", "5"])
+    assert "holds a cut evaluation with --max-turns 4, not 5" in capsys.readouterr().err
+    again = ev.main(ev.parse_args([*args, "--out", out]))
+    assert "continuing the cut evaluation" in capsys.readouterr().out and len(calls) == 4  # one chunk left to play
+    assert again["tasks"] == whole["tasks"] and again["statuses"] == whole["statuses"]
+
+    def rows(folder):
+        with open(tmp_path / folder / "eval_rollouts.jsonl") as f:
+            return [(t["item_id"], t["token_ids"], t["logprobs"]) for t in map(json.loads, f)]
+    assert rows("cut") == rows("whole")  # the last chunk sampled from its own seed, as in the uncut run
+    assert not os.path.exists(ev.partial_path(out))

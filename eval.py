@@ -5,6 +5,7 @@
     python eval.py --env textcraft --endpoint http://host:8000/v1 --endpoint-model qwen  # OpenAI-compatible
     python eval.py --env corridor --greedy                                     # the built-in tiny model
     python eval.py --compare start.json,end.json     # two results compared task by task, with an interval
+    python eval.py --compare a0.json+a1.json,b0.json+b1.json   # each side pooled over several results
 
 Each test task is played n times (sampled, temperature 1 by default; `--greedy` plays once at
 temperature 0). With s_ij the score of sample j of task i (the env's reward: 0/1 for TextCraft, the
@@ -96,6 +97,8 @@ class EvalConfig:
                                        "needs n >= 2 and sampling, on the training split")
     # Compare instead of play
     compare: str | None = arg(None, "START.json,END.json: two results of this script on the same tasks, compared "
+                                    "(a side may pool several results: A.json+B.json; a task's score is then its "
+                                    "mean over all their samples) "
                                     "task by task (paired counts, the change with a 95% interval, a sign test); "
                                     "plays nothing")
 
@@ -124,7 +127,7 @@ def parse_args(argv=None) -> EvalConfig:
         paths = cfg.compare.split(",")
         if len(paths) != 2:
             p.error(f"--compare: give two result files as START.json,END.json, not {cfg.compare!r}")
-        for path in paths:
+        for path in (x for side in paths for x in side.split("+")):
             if not os.path.isfile(path):
                 p.error(f"--compare: no file {path}")
             try:
@@ -388,8 +391,7 @@ def load_local(cfg: EvalConfig):
 def main(cfg: EvalConfig) -> dict:
     if cfg.compare:
         start, end = cfg.compare.split(",")
-        with open(start) as f, open(end) as g:
-            c = compare(json.load(f), json.load(g))
+        c = compare(pooled(start.split("+")), pooled(end.split("+")))
         print_comparison(c, start, end)
         return c
     with serving(cfg.env, cfg.env_addr) as (url, _):
@@ -510,6 +512,17 @@ def print_table(result: dict) -> None:
     ex = result["excluded"]
     print(f"statuses {result['statuses']}; excluded: {ex['env_error']} env errors, "
           f"{ex['endpoint_error']} endpoint errors")
+
+
+def pooled(paths: list[str]) -> dict:
+    """Several results as one: each task's scores are all its samples in any of them (two evaluations of
+    one model with different seeds, or one evaluation of each of several training seeds)."""
+    tasks: dict = {}
+    for path in paths:
+        with open(path) as f:
+            for t in json.load(f)["tasks"]:
+                tasks.setdefault(t["item_id"], {**t, "scores": []})["scores"] += t["scores"]
+    return {"tasks": list(tasks.values())}
 
 
 def compare(start: dict, end: dict) -> dict:

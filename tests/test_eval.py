@@ -314,3 +314,18 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
             return [(t["item_id"], t["token_ids"], t["logprobs"]) for t in map(json.loads, f)]
     assert rows("cut") == rows("whole")  # the last chunk sampled from its own seed, as in the uncut run
     assert not os.path.exists(ev.partial_path(out))
+
+
+def test_compare_pools_the_results_on_each_side(tmp_path):
+    paths = {}
+    for name, scores in {"a0": {1: [0.0], 2: [1.0], 3: [0.0]}, "a1": {1: [1.0], 2: [1.0], 3: [0.0]},
+                         "b0": {1: [1.0], 2: [1.0], 3: [1.0]}, "b1": {1: [1.0], 2: [0.0], 3: [1.0]}}.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(result(scores)))
+    c = ev.main(ev.parse_args(["--compare", f"{paths['a0']}+{paths['a1']},{paths['b0']}+{paths['b1']}"]))
+    # per task, start 0.5 / 1 / 0 and end 1 / 0.5 / 1: changes +0.5, -0.5, +1
+    assert (c["tasks"], c["start"], c["end"], c["change"]) == pytest.approx((3, 0.5, 2.5 / 3, 1 / 3))
+    assert "sign_test_p" not in c  # pooled scores are not one 0/1 sample per task
+    out = subprocess.run([sys.executable, "eval.py", "--compare", f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no file" in out.stderr

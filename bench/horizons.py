@@ -2,17 +2,22 @@
 horizon grows in stages), from the same start, with the same steps, seeds and tasks; held-out success
 every few steps; one curves PNG and a table (Markdown and JSON) per comparison.
 
-    python bench/horizons.py --env textcraft --model smollm2-135m --sft "--tasks 0-99 --epochs 2 --lr 2e-5" \
-        --horizons 10 30 10,20,30 --steps 30 --eval-every 10 --seeds 0 1 --parallel 6 --device cuda --out runs/h
+    python bench/horizons.py --env textcraft --model smollm2-135m --sft "--epochs 1 --lr 1e-4" \
+        --train "--batch-size 16 --group-size 8" --horizons 10 30 10,20,30 --steps 30 --eval-every 10 \
+        --seeds 0 1 --parallel 6 --device cuda --no-save --out runs/h
     python bench/horizons.py --env corridor --horizons 2 4 2,4 --steps 2 --eval-every 1 --out /tmp/h  # a CPU smoke run
 
 Each run is `train.py` as a subprocess, up to --parallel of them at once (several runs share one GPU: a
 135M model takes a few GB). With --sft the start is first made by `sft.py --model MODEL --sft ...`
-(the warm start: behavioural cloning on the env's expert), once, and every run starts from it. The
-table names the device, each run's wall minutes, generation tokens/s (rollouts), training tokens/s (the
-update) and peak GPU memory, and the held-out success at the first and the last evaluation, as a mean
-over seeds and per seed. Bring back OUT/horizons.md, OUT/horizons.json and OUT/horizons.png; the run
-folders' metrics.jsonl and eval.jsonl hold the rest (checkpoints are large: --no-save skips them).
+(the warm start: behavioural cloning on the env's expert), once, and every run starts from it. With
+--model, train.py's real-model defaults apply to every run (lr 1e-6 after 3 warm-up steps, k3 KL 0.001,
+four mini-batches per step, the 0.01 update_kl guard, dynamic sampling); the SFT recipe above is the one
+measured on CPU (1 epoch of the 420 expert trajectories at lr 1e-4), and 16 tasks x 8 samples per step
+is the paper's batch. The table names the device, each run's wall minutes, generation tokens/s
+(rollouts), training tokens/s (the update) and peak GPU memory, and the held-out success at the first
+and the last evaluation, as a mean over seeds and per seed. Bring back OUT/horizons.md, OUT/horizons.json
+and OUT/horizons.png; the run folders' metrics.jsonl and eval.jsonl hold the rest (checkpoints are
+large: --no-save skips them).
 """
 
 import argparse

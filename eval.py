@@ -97,10 +97,9 @@ class EvalConfig:
                                        "needs n >= 2 and sampling, on the training split")
     # Compare instead of play
     compare: str | None = arg(None, "START.json,END.json: two results of this script on the same tasks, compared "
-                                    "(a side may pool several results: A.json+B.json; a task's score is then its "
-                                    "mean over all their samples) "
                                     "task by task (paired counts, the change with a 95% interval, a sign test); "
-                                    "plays nothing")
+                                    "a side may pool several results (A.json+B.json: a task's score is then its "
+                                    "mean over all their samples); plays nothing")
 
 
 # What a training run's config.json says about how to play its policy: eval.py's fields, by train.py's.

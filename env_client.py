@@ -3,7 +3,13 @@
 Drives this project's servers and AgentGym's own (FastAPI) servers alike:
 - instance ids travel as `id` or, for AgentGym's SearchQA/WebArena servers, as `env_idx`; `/create` may
   answer `{"id"}`, `{"env_idx"}` or a bare integer; the dialect is read off that first answer;
-- the value of a step is `score` where the server sends one (BabyAI, SciWorld), else `reward`;
+- a create carries `"id": 0`, the task AgentGym's SearchQA server requires there (the others ignore it);
+  with `env_idx` a reset names its task `id` (SearchQA) and `idx` (WebArena) too, and may answer the bare
+  observation (SearchQA);
+- the value of a step is `score` where the server sends one (BabyAI, SciWorld), else `reward`, on the
+  server's own scale: SciWorld's is 0-100, as AgentGym's server and this project's both send it.
+  `train_reward(env, value)` divides by the env's `SCORE_SCALES` entry; the rollout applies it, so the
+  trainer sees 0-1 (success = 1) for every game;
 - `done` may come as `terminated`/`truncated` (WebArena), whose reward counts only once terminated and
   whose /reset answers the bare page, so the client reads the agent's observation from /observation;
 - AgentGym's servers have no /tasks: `task_splits` then takes the ids from a file or the env's defaults;
@@ -57,7 +63,7 @@ class EnvError(RuntimeError):
 @dataclass
 class Step:
     observation: str
-    reward: float  # the value to train on: `score` where the server has one, else `reward`
+    reward: float  # the step's value: `score` where the server has one, else `reward`; the server's scale
     done: bool
     raw: dict = field(default_factory=dict)  # the server's whole answer (info, step reward, ...)
 
@@ -258,7 +264,7 @@ class EnvClient:
 
     def __init__(self, base_url: str | Transport, timeout: float = 120.0, retries: int = 2):
         self.http = base_url if isinstance(base_url, Transport) else Transport(base_url, timeout, retries)
-        created = self.http.request("POST", "/create", {"request_key": str(uuid.uuid4())}, retry=True)
+        created = self.http.request("POST", "/create", {"request_key": str(uuid.uuid4()), "id": 0}, retry=True)
         self.id_key, self.id = _read_id(created)
         # AgentGym's WebArena server (`{"env_idx"}` from /create) answers /reset with the bare page tree;
         # the agent's observation (objective, URL, tree, previous action) is what /observation renders.
@@ -270,11 +276,13 @@ class EnvClient:
 
     def reset(self, item_id: int) -> str:
         body = {"data_idx": item_id}
-        if self.id_key == "env_idx":  # AgentGym's WebArena server reads `idx` and `seed`
-            body.update(idx=item_id, seed=0)
+        if self.id_key == "env_idx":  # AgentGym's SearchQA server reads the task as `id`, WebArena's as `idx`
+            body.update(id=item_id, idx=item_id, seed=0)
         raw = self.http.request("POST", "/reset", self._with_id(body), retry=True)
         if isinstance(raw, dict) and raw.get("observation") == "TimeoutError":  # WebArena's failed page load
             raise EnvError("env", f"POST /reset: task {item_id} timed out loading its start page")
+        if isinstance(raw, str) and not self.observe_after_reset:  # AgentGym's SearchQA: the observation
+            return raw
         if isinstance(raw, dict) and "observation" in raw and not self.observe_after_reset:
             return str(raw["observation"])
         return self.observation()
@@ -314,6 +322,17 @@ def _read_id(created) -> tuple[str, int]:
             if isinstance(created.get(key), int):
                 return key, created[key]
     raise EnvError("protocol", f"/create answered without an instance id: {str(created)[:200]}")
+
+
+# ---------------------------------------------------------------- reward scales
+# What a game's step value (Step.reward) is divided by to be a reward on the trainer's scale, where
+# success = 1. SciWorld's score runs 0-100 (negative after a fatal mistake); the other games are 0-1.
+SCORE_SCALES = {"sciworld": 100.0}
+
+
+def train_reward(env: str, value: float) -> float:
+    """A step's value from `env`'s server, on the trainer's 0-1 scale."""
+    return value / SCORE_SCALES.get(env, 1.0)
 
 
 # ---------------------------------------------------------------- task lists

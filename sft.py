@@ -42,8 +42,8 @@ from tqdm import tqdm
 
 from cli import (arg, check_env, check_model, check_positive, check_ranges, check_reporter, cpu_threads, parse_config,
                  resolve_device)
-from engines import HFEngine
-from env_server.app import serving
+from engines import HFEngine, make_engine, resolve_engine, sampling_device
+from env_server.process import serving
 from policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
 from report import REPORTERS, make_reporter
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success, length_buckets,
@@ -87,10 +87,14 @@ def load_log(path: str, successful_only: bool = False) -> list[Trajectory]:
 
 # ---------------------------------------------------------------- AgentEvol
 def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rcfg: RolloutConfig,
-         generator: torch.Generator | None = None, pool_size: int = 64) -> list[Trajectory]:
-    """rollout() over `item_ids` on at most `pool_size` env instances at once."""
+         generator: torch.Generator | None = None, pool_size: int = 64, engine=None) -> list[Trajectory]:
+    """rollout() over `item_ids` on at most `pool_size` env instances at once, sampled by `engine` (its
+    weights brought up to `model`'s first) or, without one, by an HFEngine on `model` itself."""
     fmt = ChatFormat(tokenizer)
-    policy = EnginePolicy(HFEngine(model, pad_id(tokenizer)), fmt, rcfg, generator)
+    if engine is None:
+        engine = HFEngine(model, pad_id(tokenizer))
+    engine.sync_weights(model)
+    policy = EnginePolicy(engine, fmt, rcfg, generator)
 
     def play_chunk(pool, items, groups, progress=None):
         return rollout(policy, pool, env_name, items, groups, rcfg, fmt=fmt, progress=progress)
@@ -102,18 +106,21 @@ def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rc
 def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[int], iterations: int = 2,
                samples_per_task: int = 2, data: list[Trajectory] | None = None, epochs: int = 1, lr: float = 1e-4,
                max_turns: int = 10, max_new_tokens: int = 64, temperature: float = 1.0,
-               micro_batch_tokens: int = 8192, seed: int = 0, progress: bool = True) -> list[float]:
+               micro_batch_tokens: int = 8192, seed: int = 0, progress: bool = True, engine=None) -> list[float]:
     """AgentEvol: each iteration samples `samples_per_task` trajectories per training task with the
-    current model, keeps the successes (status done, reward > 0), and fine-tunes on them plus all earlier
-    data (`data`: e.g. the expert trajectories of the warm start). Returns each iteration's success rate
-    (over trajectories without env errors), measured before that iteration's fine-tuning."""
+    current model (on `engine`, default an HFEngine on `model`), keeps the successes (status done,
+    reward > 0), and fine-tunes on them plus all earlier data (`data`: e.g. the expert trajectories of the
+    warm start). Returns each iteration's success rate (over trajectories without env errors), measured
+    before that iteration's fine-tuning."""
     data = list(data or [])
     rcfg = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature)
-    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)  # where HFEngine samples
+    gen = torch.Generator(sampling_device("hf" if engine is None or isinstance(engine, HFEngine) else "vllm",
+                                          next(model.parameters()).device)).manual_seed(seed)
     rates = []
     for it in range(iterations):
         items = [i for i in train_ids for _ in range(samples_per_task)]
-        trajs = [t for t in play(model, tokenizer, env_addr, env_name, items, rcfg, gen) if t.status != "env_error"]
+        trajs = [t for t in play(model, tokenizer, env_addr, env_name, items, rcfg, gen, engine=engine)
+                 if t.status != "env_error"]
         wins = [t for t in trajs if is_success(t)]
         rates.append(len(wins) / max(1, len(trajs)))
         data += wins
@@ -228,6 +235,10 @@ class Config:
     samples_per_task: int = arg(2, "agentevol/dpo: trajectories sampled per task")
     max_new_tokens: int = arg(64, "agentevol/dpo: tokens per sampled turn")
     temperature: float = arg(1.0, "agentevol/dpo: sampling temperature")
+    engine: str = arg("auto", "agentevol/dpo: generation engine: HF, vLLM (where it is installed; its weights follow "
+                              "each round of fine-tuning), or auto: vLLM for models of 10M parameters or more where it "
+                              "imports, else HF", choices=["auto", "hf", "vllm"])
+    vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts faster, decodes slower)")
     beta: float = arg(0.1, "dpo: inverse temperature of the implicit reward")
     env_addr: str | None = arg(None, "agentevol/dpo: URL of a running env server; absent: start one")
     seed: int = arg(0, "seed of noise, data order and sampling")
@@ -293,6 +304,20 @@ def cfg_task_ids(cfg: Config) -> list[int]:
     return ids
 
 
+def sampling_engine(cfg: Config, model, path: str, tokenizer, device, dtype: torch.dtype):
+    """The engine that plays AgentEvol's and DPO's episodes (--engine; auto: engines.resolve_engine). An
+    HFEngine samples with `model` itself; a VLLMEngine starts from `path` and is synced to `model` before
+    each round of play."""
+    kind = resolve_engine(cfg.engine, path, device)
+    if kind == "hf":
+        return HFEngine(model, pad_id(tokenizer))
+    try:
+        return make_engine("vllm", model, path, pad_id(tokenizer), batch=64, max_model_len=4096,
+                           dtype=str(dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=cfg.vllm_eager)
+    except ImportError as e:
+        sys.exit(str(e))
+
+
 def main(cfg: Config) -> dict:
     from models import resolve, tiny_model_path
 
@@ -324,18 +349,22 @@ def main(cfg: Config) -> dict:
         if cfg.mode == "sft":
             summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, dtype=dtype, **kw)
         elif cfg.mode == "agentevol":  # behavioural cloning on the data first, then self-evolution
+            engine = sampling_engine(cfg, model, path, tokenizer, device, dtype)
             summary["sft_loss"] = sft(model, tokenizer, data, cfg.epochs, batch_size=cfg.batch_size, dtype=dtype, **kw)
             summary["success_rate"] = agent_evol(
                 model, tokenizer, url, cfg.env, ids, cfg.iterations, cfg.samples_per_task, data, cfg.epochs,
-                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **kw)
+                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                engine=engine, **kw)
         else:
             pool = data
             if not cfg.from_log:  # the model's own samples as rejected, the expert's as chosen
                 rcfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                      temperature=cfg.temperature)
                 items = [i for i in ids for _ in range(cfg.samples_per_task)]
-                generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
-                pool = data + play(model, tokenizer, url, cfg.env, items, rcfg, generator)
+                engine = sampling_engine(cfg, model, path, tokenizer, device, dtype)
+                where = next(model.parameters()).device if isinstance(engine, HFEngine) else "cpu"
+                generator = torch.Generator(where).manual_seed(cfg.seed)
+                pool = data + play(model, tokenizer, url, cfg.env, items, rcfg, generator, engine=engine)
             pairs = make_pairs(pool, cfg.seed)
             if not pairs:
                 sys.exit("dpo: no task has both a successful and a failed trajectory to pair")

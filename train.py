@@ -39,9 +39,9 @@ from cli import (arg, check_device, check_env, check_model, check_positive, chec
                  parse_config, task_lists)
 from distributed import (all_gather_list, all_max, barrier, broadcast_value, global_rank, init_distributed, rank_items,
                          world_size)
-from engines import generating, make_engine, sampling_device
+from engines import HFEngine, generating, make_engine, resolve_engine, sampling_device
 from env_client import EnvPool, env_ready, spread
-from env_server.app import serving
+from env_server.process import serving
 from eval import held_out
 from models import resolve
 from policy import Critic, Precision, load_model, load_tokenizer, pad_id, prepare, resolve_dtype
@@ -109,8 +109,11 @@ class Config:
                               "reflect (reflect and retry after a failed attempt)", choices=lambda: sorted(SCHEMES))
     # Generation
     model: str | None = arg(None, "HF model folder or hub name; absent: the built-in tiny model, warm-started")
-    engine: str = arg("hf", "generation engine: HF generate (anywhere) or vLLM (GPU; one engine per rank)",
-                      choices=["hf", "vllm"])
+    engine: str = arg("auto", "generation engine: HF (anywhere), vLLM (colocated, CPU or GPU, where it is installed; "
+                              "one engine per rank), or auto: vLLM for models of 10M parameters or more where it "
+                              "imports and one process generates (or on CUDA), else HF", choices=["auto", "hf", "vllm"])
+    vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts in ~20 s instead of ~80 s on 2 cores; "
+                                  "decodes slower)")
     vllm_gpu_memory: float = arg(0.5, "vLLM: share of the GPU memory for weights and KV cache")
     temperature: float = arg(1.0, "sampling temperature")
     top_p: float = arg(1.0, "nucleus sampling")
@@ -137,7 +140,7 @@ class Config:
                           "server needs, during the update all; shared by the processes of this node). Cores "
                           "shared with other runs: give each --threads 1 (cli.cpu_threads)")
     cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"), "where built-in models are built once")
-    # Faults (see "reliability" in the README)
+    # Faults (docs/reliability.md)
     env_timeout: float = arg(120.0, "seconds an env server may take for one call; past it: an env error")
     max_env_error_share: float = arg(0.5, "a step with a larger share of env-error trajectories is not trained on")
     env_error_patience: int = arg(3, "stop, with a checkpoint, after this many such steps in a row")
@@ -191,7 +194,7 @@ def parse_args(argv=None) -> Config:
               f"stages of --schedule {cfg.schedule}; the later horizons are never played", file=sys.stderr)
     if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f)) for f in RUN_FILES):
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to continue that one")
-    real = cfg.model is not None  # a real model: the trust-region defaults (README, "A real model")
+    real = cfg.model is not None  # a real model: the trust-region defaults (docs/real_model.md)
     if cfg.lr is None:
         cfg.lr = 1e-6 if real else 3e-4
     if cfg.kl_coef is None:
@@ -269,18 +272,36 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
         optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer, fmt=ChatFormat(tokenizer),
               pad=pad_id(tokenizer), model=model, prec=prec, ref=ref, critic=critic, optims=optims,
-              engine=make_engine(cfg.engine, prec.model, model_path, pad_id(tokenizer), max_model_len=cfg.max_context,
-                                 gpu_memory_utilization=cfg.vllm_gpu_memory),
+              engine=engine_for(cfg, prec.model, model_path, pad_id(tokenizer), device, dtype),
               schedule=make_schedule(cfg.schedule, stage_steps(cfg), cfg.schedule_kind),
               data_rng=random.Random(cfg.seed),
-              sample_gen=torch.Generator(sampling_device(cfg.engine, device)).manual_seed(cfg.seed + global_rank()),
+              sample_gen=None,
               pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size, timeout=cfg.env_timeout),
               train_ids=train_ids, test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
               categories=tasks["categories"], threads=torch.get_num_threads(),
               update_threads=cpu_threads(cfg.threads, leave_one=False))
+    kind = "hf" if isinstance(run.engine, HFEngine) else "vllm"
+    run.sample_gen = torch.Generator(sampling_device(kind, device)).manual_seed(cfg.seed + global_rank())
     if ckpt:
         resume(run, ckpt)
     return run
+
+
+def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: torch.dtype):
+    """The generation engine --engine names (auto: engines.resolve_engine). vLLM loads `model_path`'s
+    weights itself, in the compute dtype, with a KV cache for the larger of a step's and an evaluation's
+    episodes."""
+    kind = resolve_engine(cfg.engine, model_path, device)
+    batch = max(cfg.batch_size // world_size() * cfg.group_size, cfg.eval_batch)
+    try:
+        engine = make_engine(kind, model, model_path, pad, batch=batch, max_model_len=cfg.max_context,
+                             dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
+                             gpu_memory_utilization=cfg.vllm_gpu_memory, enforce_eager=cfg.vllm_eager)
+    except ImportError as e:
+        sys.exit(str(e))
+    if kind == "vllm" and global_rank() == 0:
+        print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)
+    return engine
 
 
 def compute_dtype(cfg: Config, device: torch.device, model: torch.nn.Module) -> torch.dtype:

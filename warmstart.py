@@ -13,7 +13,7 @@ stage by stage (models.default_model_path):
    guesser's (a share `guess` of the data, `guess_turns` turns of wrong actions under GUESS_THOUGHT,
    or of `guess_action` under STALL_THOUGHT). The model then opens about that share of its episodes
    with the habit. What RL gains from this start is mostly the habit unlearned: held-out success
-   returns to the level of the stage-2 model, not beyond it (README, "What RL adds").
+   returns to the level of the stage-2 model, not beyond it (docs/results.md).
 
 Expert trajectories are played by rollout.rollout itself, with `ExpertPolicy` writing the replies and
 `LocalPool` stepping the games in this process: the rows have exactly the token boundaries the model
@@ -299,6 +299,14 @@ WARM_START = {
 }
 GUESS_KEYS = ("guess", "guess_turns", "guess_action", "guess_epochs", "guess_lr")  # stage 3's part of a recipe
 
+# The SFT warm start of a built-in real model (`--model NAME-sft`, models.builtin_warm_path), per env: stage 2
+# alone, on the clean expert (no noise, no habit), in the compute dtype of `--dtype auto`. TextCraft's is
+# the recipe measured on SmolLM2-135M-Instruct (docs/real_model.md): all 420 training tasks, 1 epoch,
+# lr 1e-4, 16 trajectories per step.
+REAL_WARM_START = {
+    "textcraft": dict(tasks=0, noise=0.0, epochs=1, lr=1e-4, batch_size=16, thoughts=True),
+}
+
 
 def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict:
     """Stage 1 alone: the model folder `base` after `steps` steps of copy_pretrain on random tokens and
@@ -335,6 +343,20 @@ def warm_start(env: str, base: str, out: str, seed: int = 0) -> dict:
     return info
 
 
+def real_warm_start(env: str, base: str, out: str, recipe: dict, seed: int = 0) -> dict:
+    """A real model's SFT warm start (a REAL_WARM_START recipe) from the folder `base` into `out`, on the
+    GPU where there is one, in bf16 where the hardware has it (policy.resolve_dtype); real_warm_start.json
+    records the recipe, the losses and the time."""
+    from policy import resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = clone_stage(env, base, out, recipe, recipe["epochs"], recipe["lr"], seed=seed, device=device,
+                       dtype=resolve_dtype("auto", device))
+    with open(os.path.join(out, "real_warm_start.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
 def guess_stage(env: str, base: str, out: str, seed: int = 0) -> dict:
     """Stage 3 of WARM_START[env] (its `guess` part) into `out`, from warm_start()'s folder `base`:
     guess_stage.json records the loss and the guesser's share of the data."""
@@ -350,18 +372,19 @@ def guess_stage(env: str, base: str, out: str, seed: int = 0) -> dict:
 
 
 def clone_stage(env: str, base: str, out: str, recipe: dict, epochs: int, lr: float, seed: int = 0,
-                **guesser) -> dict:
+                device="cpu", dtype: torch.dtype = torch.float32, **guesser) -> dict:
     """`epochs` of sft() at `lr` on expert_trajectories() over the recipe's training tasks (its noise
-    and thoughts, plus `guesser`'s keywords), from the model folder `base`, saved into `out`."""
+    and thoughts, plus `guesser`'s keywords), from the model folder `base`, saved into `out`; the model
+    on `device`, computing in `dtype` (fp32 master weights either way)."""
     from env_server import get_env_class
 
     t0 = time.time()
-    tokenizer, model = load_tokenizer(base), load_model(base)
+    tokenizer, model = load_tokenizer(base), load_model(base, device)
     cls = get_env_class(env)
     ids = spread(cls.splits(cls.load_world(None))["train"], recipe["tasks"])
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed,
                                thoughts=recipe.get("thoughts", False), **guesser)
-    losses = sft(model, tokenizer, data, epochs, lr, batch_size=recipe["batch_size"], seed=seed)
+    losses = sft(model, tokenizer, data, epochs, lr, batch_size=recipe["batch_size"], seed=seed, dtype=dtype)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

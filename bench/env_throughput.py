@@ -7,7 +7,7 @@ The server runs in its own process (as train.py runs it); the client steps all i
 rounds, as the rollout does: one round = one action for every instance. Targets on a 2-core machine
 (TextCraft): single-step with keep-alive >= 2,000 steps/s at 32 instances; batch >= 15,000 steps/s at 64.
 Since every call into a game runs on a worker thread under a deadline (env_server.instances.Runner), the
-single-step path misses its target: about 1,500 steps/s against 2,100 before (README, "Speed").
+single-step path misses its target: about 1,500 steps/s against 2,100 before (docs/results.md).
 """
 
 import argparse
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from env_client import EnvError, EnvPool  # noqa: E402
 from env_server import get_env_class  # noqa: E402
-from env_server.app import ServerProcess  # noqa: E402
+from env_server.process import ServerProcess  # noqa: E402
 
 # Actions that keep an episode going (a finished episode is reset and not counted as a step).
 BENCH_ACTIONS = {

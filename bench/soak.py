@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from env_client import EnvError, EnvPool, Step, Transport, task_splits  # noqa: E402
-from env_server.app import ServerProcess  # noqa: E402
+from env_server.process import ServerProcess  # noqa: E402
 
 # Besides the expert's moves: random actions that succeed, fail inside the game, or are junk the game
 # must survive (empty, unknown, absurd numbers). None of them may ever be an error of the server.

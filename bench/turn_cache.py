@@ -27,7 +27,7 @@ from cli import cpu_threads  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from env_client import EnvPool, spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
-from env_server.app import ServerProcess  # noqa: E402
+from env_server.process import ServerProcess  # noqa: E402
 from policy import load_model, load_tokenizer, pad_id, resolve_dtype  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 

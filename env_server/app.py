@@ -12,12 +12,16 @@
     GET  /tasks                          -> {"num_tasks", "splits"}
     GET  /                               -> health
 
-AgentGym's clients read these shapes, so they drive this server unchanged. `env_idx` is accepted as an
-alias of `id` (AgentGym's SearchQA and WebArena servers use it). AgentGym's SearchQA client speaks its own
-dialect, served too: its /create has no body and reads a bare integer back (an env whose class sets
-`bare_create_id`, SearchQA's, answers a body-less /create so; this project's client always sends a body),
-and its /reset sends the instance as `env_idx` and the task as `id` (a /reset with `env_idx` and no
-`data_idx` or `idx` reads `id` as the task). Unlike AgentGym, a caller's mistake is a
+AgentGym's clients read these shapes, so they drive this server unchanged. A body or query may name the
+instance `env_idx` instead of `id` (AgentGym's SearchQA and WebArena servers do); where it does, `env_idx`
+is the instance and `id`, if any, is the task. An env whose class sets `bare_answers` (SearchQA) also
+speaks AgentGym's SearchQA dialect, whose answers are bare values:
+
+    POST /create {"id": task} (or no body)  -> instance id   (the instance starts on that task)
+    POST /reset  {"env_idx", "id": task}    -> "observation"  (any /reset naming `env_idx`)
+
+while a /create with any other body (this project's client's `{"request_key"}`, `{}`) and a /reset naming
+`id` answer the objects above, and /batch always does. Unlike AgentGym, a caller's mistake is a
 4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never dies. A
 create that carries a `request_key` (a string of the client's choosing, at most 200 characters) answers
 the same id for the same key while that instance lives: a client that retries a create whose answer it
@@ -36,14 +40,9 @@ cross-site POSTs, foreign origins, DNS rebinding while bound to loopback).
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
 import logging
-import os
-import queue
-import subprocess
-import sys
 import threading
 import warnings
 from urllib.parse import urlsplit
@@ -201,26 +200,37 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
             raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
         return data
 
-    def task_id(b: dict) -> int:
-        idx = _int(b, "data_idx", "idx")
+    bare = env_cls.bare_answers
+
+    def task_id(b: dict, with_id: bool) -> int:
+        """The task a body names: `data_idx` or `idx`, else (`with_id`: `id` is not the instance) `id`."""
+        idx = _int(b, "data_idx", "idx", *(("id",) if with_id else ()))
         if not 0 <= idx < reg.num_tasks:
             raise ApiError(400, f"task id {idx} out of range: {env_cls.name} has tasks 0..{reg.num_tasks - 1}")
         return idx
 
+    def instance_id(b: dict) -> int:
+        return _int(b, "env_idx") if "env_idx" in b else _int(b, "id")
+
+    def named_instance(b) -> object:
+        """The instance a call names, if any, unchecked (to mark it hung); a create names none."""
+        if not isinstance(b, dict) or b.get("op") == "create":
+            return None
+        return b.get("env_idx", b.get("id"))
+
     # -- operations shared by the single endpoints and /batch; each returns a JSON-able value
     def op_create(b: dict) -> dict:
-        idx = task_id(b) if ("data_idx" in b or "idx" in b) else None
+        given = "data_idx" in b or "idx" in b or (bare and "id" in b)  # AgentGym SearchQA's {"id": task}
+        idx = task_id(b, with_id=bare) if given else None
         key = _str(b, "request_key", max_len=200) if "request_key" in b else None
-        iid = reg.create(key)  # with a key seen before: that instance (reset again when data_idx is given)
+        iid = reg.create(key)  # with a key seen before: that instance (reset again when a task is given)
         out = {"id": iid, "observation": "", "reward": 0, "done": False}
         if idx is not None:
             out = op_reset({"id": iid, "data_idx": idx})
         return out
 
     def op_reset(b: dict) -> dict:
-        if "env_idx" in b and not ("data_idx" in b or "idx" in b):  # AgentGym SearchQA: {"id": task, "env_idx"}
-            b = {"id": b["env_idx"], "data_idx": b.get("id")} if "id" in b else {"id": b["env_idx"]}
-        iid, idx = _int(b, "id", "env_idx"), task_id(b)
+        iid, idx = instance_id(b), task_id(b, with_id="env_idx" in b)  # AgentGym SearchQA's {"env_idx", "id": task}
         inst = reg.get(iid)
         with reg.hold(iid, inst):
             obs = inst.env.reset(idx)
@@ -228,7 +238,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         return {"id": iid, "observation": obs, "reward": 0, "score": 0, "done": False}
 
     def op_step(b: dict) -> dict:
-        iid, action = _int(b, "id", "env_idx"), _str(b, "action")
+        iid, action = instance_id(b), _str(b, "action")
         inst = reg.get(iid)
         with reg.hold(iid, inst):
             if inst.task is None:
@@ -242,7 +252,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
                 "info": r.info}
 
     def op_close(b: dict) -> bool:
-        reg.close(_int(b, "id", "env_idx"))
+        reg.close(instance_id(b))
         return True
 
     ops = {"create": op_create, "reset": op_reset, "step": op_step, "close": op_close}
@@ -257,7 +267,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         return r
 
     def guarded(b: dict, op):  # one op, on a runner thread, under the deadline
-        iid = b.get("id", b.get("env_idx"))
+        iid = None if op is op_create else named_instance(b)
         return settle(iid, runner.run([lambda: op(b)])[0])
 
     def read(iid: int, fn, needs_task: bool = True):
@@ -282,13 +292,16 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     @app.post("/create")
     def create():
-        if getattr(env_cls, "bare_create_id", False) and not request.get_data(cache=True):
-            return _json(guarded({}, op_create)["id"])  # AgentGym's SearchQA client: a bare id back
-        return _json(guarded(body(), op_create))
+        bodyless = not request.get_data(cache=True)
+        b = body()
+        out = guarded(b, op_create)
+        return _json(out["id"] if bare and (bodyless or "id" in b) else out)  # AgentGym SearchQA's: bare
 
     @app.post("/reset")
     def reset():
-        return _json(guarded(body(), op_reset))
+        b = body()
+        out = guarded(b, op_reset)
+        return _json(out["observation"] if bare and "env_idx" in b else out)  # AgentGym SearchQA's: bare
 
     @app.post("/step")
     def step():
@@ -341,7 +354,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         results = runner.run([lambda x=x: run_one(x) for x in items])
         for item, r in zip(items, results):
             if isinstance(r, Hung):
-                reg.mark_hung(item.get("id", item.get("env_idx")))
+                reg.mark_hung(named_instance(item))
         return _json({"results": [{"error": str(r), "status": 504} if isinstance(r, Hung) else r
                                   for r in results]})
 
@@ -455,84 +468,5 @@ def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", por
     return url, stop
 
 
-class ServerProcess:
-    """`python -m env_server NAME` in a child process, on a free port; `.url`, `.stop()`, `.restart()`.
-
-    Used by train.py when no `--env-addr` is given, and by tests and benches. A separate process keeps
-    the env off the trainer's GIL. It runs in its own session, so a Ctrl-C meant for the trainer does not
-    kill it mid-step (the trainer stops it), and it exits by itself if the trainer dies.
-    """
-
-    def __init__(self, name: str, *args: str, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout_s: float = 60.0, env: dict | None = None):
-        self.name, self.args, self.host, self.env = name, args, host, env
-        self.start_timeout_s = start_timeout_s
-        self._launch(port)
-
-    def _launch(self, port: int) -> None:
-        cmd = [sys.executable, "-m", "env_server", self.name, "--host", self.host, "--port", str(port),
-               "--parent-pid", str(os.getpid()), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                     start_new_session=True)
-        self.stderr_tail: list[str] = []
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put("")],
-                         daemon=True).start()
-        # Keep the last lines of stderr for error messages; reading also keeps the pipe from filling.
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-        try:
-            line = lines.get(timeout=self.start_timeout_s)
-        except queue.Empty:
-            self.stop()
-            raise RuntimeError(f"env server {self.name!r} did not start within {self.start_timeout_s:g} s") from None
-        if not line.startswith("serving "):
-            self.proc.wait(10)
-            raise RuntimeError(f"env server {self.name!r} exited with code {self.proc.returncode}:\n"
-                               + "".join(self.stderr_tail[-30:]))
-        self.url = line.split(" on ", 1)[1].strip()
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def restart(self) -> None:
-        """Start it again on the same port (its clients' address stays valid)."""
-        self.stop()
-        self._launch(self.port)
-
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr_tail = (self.stderr_tail + [line])[-200:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            pipe.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-@contextlib.contextmanager
-def serving(name: str, env_addr: str | None = None, **kw):
-    """(url, server) of the env server a script plays on: `env_addr` as given (server None), else a local
-    `python -m env_server NAME` (a ServerProcess, `kw` its options) started for the duration."""
-    if env_addr:
-        yield env_addr, None
-        return
-    server = ServerProcess(name, **kw)
-    try:
-        yield server.url, server
-    finally:
-        server.stop()
-
+# The child-process launcher lives in process.py (no Flask there); imported here for existing callers.
+from .process import ServerProcess, serving  # noqa: E402,F401

@@ -34,6 +34,9 @@ class StepResult:
 
 class Env:
     name = "base"
+    # AgentGym's SearchQA dialect (app.py): a /create with no body or with a task `id` answers the bare
+    # instance id, and a /reset naming the instance `env_idx` answers the bare first observation.
+    bare_answers = False
 
     # ---- world: shared, read-only, loaded once per server process ----
     @staticmethod

@@ -11,10 +11,18 @@ Follows AgentGym's agentenv-sciworld, the SciWorld server AgentGym-RL trains on:
 - done when the task is completed, when the score turns negative (a fatal mistake, such as focusing on
   the wrong object) or after more than 100 simulated moves (the package's own step limit).
 
-Score and reward: the package scores 0-100 and reports -100 after a fatal mistake. We report it divided
-by 100: `score` is the episode's score so far (1.0 = task completed, -1.0 = failed; what the trainer
-reads, as for BabyAI) and `reward` the change of score in this step. Upstream hands the trainer the raw
-0-100 score, which does not fit a reward where success = 1.
+Score and reward, on upstream's scale and with upstream's meaning (its /step answers the package's
+`info["score"]` and `reward`):
+- `score`: the episode's score so far, an integer 0-100 (100 = task completed; the package's sub-goals
+  give partial credit), or negative after a fatal mistake (-100 as the package scores it). AgentGym's
+  SciWorld client reads `score` as the reward of the step;
+- `reward`: the change of `score` in this step, an integer (a fatal mistake after partial credit
+  gives less than -100);
+- /detail's `score` is the same 0-100 score; /reset answers `score` 0 and `reward` 0 (see the
+  departures).
+The trainer wants 0-1 (success = 1, as every other game): env_client.SCORE_SCALES holds SciWorld's 100,
+and the rollout (rollout.play_moves) divides the score it reads by it, from this server or upstream's
+alike. Nothing here divides.
 
 Departures from upstream:
 - The game list is shipped (data/sciworld_splits.json, written from the package by
@@ -27,6 +35,9 @@ Departures from upstream:
   inventory, task, anything unrecognised) take no simulated time, so without it an episode could run
   forever.
 - A step after done, or before reset, is an error (409) [upstream: an error string with HTTP 200].
+- /reset answers `score` 0 and `reward` 0, as for every game [upstream: the score after "look around",
+  which is 0 but in some chemistry-mix-paint variations (7, 13 or 20 there)]; the first step's `score`
+  is the whole score, and its `reward` the change from the score after reset, as upstream.
 The simulator itself is not exactly reproducible: two loads of one game can list objects in another
 order or read temperatures a degree apart. A task id always means the same game (the same objects).
 
@@ -48,6 +59,7 @@ connection) turns into a 503 for its own instance only; the next reset of that i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -169,6 +181,13 @@ class SciWorldEnv(Env):
         try:
             from scienceworld import ScienceWorldEnv
             self._sw = ScienceWorldEnv()
+            # py4j tells the JVM when a Python proxy of a Java object dies, from whichever thread Python's
+            # collector happens to run in: with this JVM frozen, that call would block an unrelated request
+            # of another instance forever. So the garbage of the start-up is collected now, while the JVM
+            # answers, and later proxies are not tracked: the few Java objects a game hands back (action
+            # lists) are released with the JVM, when the instance closes.
+            self._sw._gateway._gateway_client.gateway_property.enable_memory_management = False
+            gc.collect()
         except Exception as e:
             self._release_jvm_slot()
             raise TaskError(f"could not start a ScienceWorld JVM: {type(e).__name__}: {e}", 503) from e
@@ -256,13 +275,12 @@ class SciWorldEnv(Env):
         completed = bool(self._game(server.getCompleted))
         moves = self._game(server.getNumMoves)
         self._history.append((action, moves != self._moves))
-        reward = (score100 - self._score100) / 100
+        reward = score100 - self._score100  # as the package: the step's change of the 0-100 score
         self._score100, self._moves, self._completed = score100, moves, completed
         self._steps += 1
         self._done = completed or score100 < 0 or moves > MAX_STEPS or self._steps >= MAX_STEPS
         self._last_observation = observation
-        return StepResult(observation, reward, self._done, score100 / 100,
-                          {"game_score": score100, "moves": moves, "completed": completed})
+        return StepResult(observation, reward, self._done, score100, {"moves": moves, "completed": completed})
 
     # ---- what the agent reads ----
     def observation(self) -> str:
@@ -283,7 +301,7 @@ class SciWorldEnv(Env):
         return {
             "task_id": self.idx, "task_type": self.task, "task_number": self.world.codes[self.task],
             "variation": self.variation, "task_description": self.description,
-            "score": self._score100 / 100, "game_score": self._score100, "steps": self._steps,
+            "score": self._score100, "steps": self._steps,
             "moves": self._moves, "done": self._done, "completed": self._completed, "jvm_pid": self._jvm_pid(),
         }
 

@@ -342,7 +342,7 @@ class World:
 
 class SearchQAEnv(Env):
     name = "searchqa"
-    bare_create_id = True  # a body-less /create answers a bare id, as AgentGym's SearchQA server does (app.py)
+    bare_answers = True  # AgentGym's SearchQA client reads a bare id from /create and a bare /reset (app.py)
     batch_threads = 8  # /batch steps instances in parallel: a remote retriever waits on the network
 
     @staticmethod

@@ -3,8 +3,10 @@ known of the requests AgentGym's client sends and what it reads back (not from i
 
 - TextCraft: JSON everywhere; `/create` answers an object whose `id` it keeps.
 - BabyAI, SciWorld: `/create` is a POST with no body and no Content-Type; `id` from the object.
-- SearchQA: `/create` has no body either and the answer is a bare integer, kept as `env_idx`; `/reset`
-  sends {"id": <task index>, "env_idx": ...}; step, observation and close name the instance `env_idx`.
+- SearchQA: `/create` sends {"id": 0} and reads a bare integer back, kept as `env_idx`; `/reset` sends
+  {"env_idx": ..., "id": <task index>} and reads the bare observation; `/observation?env_idx=` reads a bare
+  string; `/step` sends {"env_idx", "action"} and reads {"observation", "reward", "done", "info"}; `/close`
+  sends {"env_idx"}.
 
 Then create, reset, step, observation and close, against a real server of each game."""
 
@@ -56,21 +58,28 @@ class IdClient:
 
 
 class SearchQAClient:
-    """AgentGym's SearchQA client: a bare id from /create, kept as env_idx."""
+    """AgentGym's SearchQA client: a bare id from `/create {"id": 0}`, kept as env_idx; each answer is
+    checked for the type that client reads."""
 
     def __init__(self, url: str):
         self.url = url
-        self.env_idx = call(url, "POST", "/create")
-        assert isinstance(self.env_idx, int)
+        self.env_idx = call(url, "POST", "/create", {"id": 0})
+        assert type(self.env_idx) is int
 
     def reset(self, idx: int):
-        return call(self.url, "POST", "/reset", {"id": idx, "env_idx": self.env_idx})
+        obs = call(self.url, "POST", "/reset", {"env_idx": self.env_idx, "id": idx})
+        assert isinstance(obs, str) and obs
+        return obs
 
     def step(self, action: str):
-        return call(self.url, "POST", "/step", {"env_idx": self.env_idx, "action": action})
+        out = call(self.url, "POST", "/step", {"env_idx": self.env_idx, "action": action})
+        assert isinstance(out, dict) and set(out) >= {"observation", "reward", "done", "info"}
+        return out
 
     def observe(self) -> str:
-        return call(self.url, "GET", f"/observation?env_idx={self.env_idx}")
+        obs = call(self.url, "GET", f"/observation?env_idx={self.env_idx}")
+        assert isinstance(obs, str)
+        return obs
 
     def close(self):
         return call(self.url, "POST", "/close", {"env_idx": self.env_idx})
@@ -122,11 +131,18 @@ def test_sciworld_client():
 
 def test_searchqa_client(tmp_path):
     with ServerProcess("searchqa", "--index-dir", str(tmp_path)) as server:
-        got = play(SearchQAClient(server.url), 3, "<search>capital</search>")
+        client = SearchQAClient(server.url)
+        first = client.observe()  # AgentGym's create starts the instance on task `id`
+        assert client.reset(4) == client.observe() != first
+        got = play(client, 3, "<search>capital</search>")
         assert "Question" in got["first"] or "question" in got["first"]
-        # this project's client keeps its own dialect on the same server: an object from a create with a body
+        # a body-less create (older SearchQA clients) is answered a bare id too
+        assert type(call(server.url, "POST", "/create")) is int
+        # the project's own dialect on the same server: objects from a create without `id` and a reset by `id`
         created = call(server.url, "POST", "/create", {"request_key": "k"})
-        assert isinstance(created, dict) and isinstance(created["id"], int)
+        assert isinstance(created, dict) and type(created["id"]) is int
+        reset = call(server.url, "POST", "/reset", {"id": created["id"], "data_idx": 3})
+        assert reset["observation"] == got["first"] and reset["done"] is False
 
 
 def test_a_bodyless_post_still_needs_a_loopback_host_and_no_foreign_origin(threaded):

@@ -89,6 +89,63 @@ def test_first_observation(env):
     assert (detail["steps"], detail["env_steps"], detail["done"]) == (0, 0, False)
 
 
+# The text AgentGym's agentenv-babyai writes for these tasks and action scripts, whole: each object's
+# sentence ends with two spaces, the other sentences with one; a view of walls alone opens the object list
+# and lists nothing; a view of nothing at all has no space after "within sight.".
+AGENTGYM_TEXT = [
+    (0, [], "Your goal: go to the red ball\nIn front of you in this room, you can see several objects: "
+     "There is a grey key 1 1 steps in front of you and 1 steps to your left.  "
+     "There is a grey ball 1 1 steps in front of you and 1 steps to your right.  "
+     "There is a grey key 2 2 steps in front of you and 1 steps to your left.  "
+     "There is a grey key 3 2 steps in front of you and 1 steps to your right.  "
+     "There is a grey box 1 2 steps in front of you and 2 steps to your right.  "
+     "There is a grey ball 2 5 steps in front of you and 1 steps to your right.  "
+     "There is a grey key 4 4 steps in front of you and 2 steps to your right.  "
+     "There is a red ball 1 4 steps in front of you and 3 steps to your right.  "
+     "The room has walls around you. You are facing a wall 6 steps away. You are not carrying anything.\n"
+     'Available actions: ["turn left", "turn right", "move forward", "pickup grey key 1", "pickup grey ball 1", '
+     '"pickup grey key 2", "pickup grey key 3", "pickup grey box 1", "pickup grey ball 2", "pickup grey key 4", '
+     '"pickup red ball 1", "go to grey key 1", "go to grey ball 1", "go to grey key 2", "go to grey key 3", '
+     '"go to grey box 1", "go to grey ball 2", "go to grey key 4", "go to red ball 1", "check available actions"]'),
+    (0, ["turn left", "turn left"],  # facing the wall behind the start: walls only
+     "In front of you in this room, you can see several objects: The room has walls around you. "
+     "You are facing a wall 1 steps away. You are not carrying anything.\n"
+     'Available actions: ["turn left", "turn right", "check available actions"]'),
+    (0, ["pickup grey key 1"],
+     "In front of you in this room, you can see several objects: "
+     "There is a grey key 1 1 steps in front of you and 1 steps to your right.  "
+     "The room has walls around you. You are facing a wall 2 steps away. You are carrying a grey key.\n"
+     'Available actions: ["turn left", "turn right", "move forward", "drop", "go to grey key 1", '
+     '"check available actions"]'),
+    (9, [], "Your goal: go to a grey door\nIn front of you in this room, you can see several objects: "
+     "There is a grey locked door 1 2 steps in front of you and 2 steps to your right.  "
+     "The room has walls around you. You are facing a wall 2 steps away. You are not carrying anything.\n"
+     'Available actions: ["turn left", "turn right", "move forward", "go to grey locked door 1", '
+     '"check available actions"]'),
+    (32, ["turn right"],  # OneRoomS20: open floor all around
+     "You cannot see any objects within sight.The room has walls around you. You are not carrying anything.\n"
+     'Available actions: ["turn left", "turn right", "move forward", "check available actions"]'),
+]
+
+
+@pytest.mark.parametrize("idx,script,expected", AGENTGYM_TEXT)
+def test_text_is_agentgyms(env, idx, script, expected):
+    obs = env.reset(idx)
+    for action in script:
+        obs = env.step(action).observation
+    assert obs == expected
+    if not script:
+        assert env.observation() == expected
+
+
+def test_first_view_of_a_carried_object(env):
+    """PutNextS7N4Carrying: the object the agent starts with is carried, not also listed where it lay."""
+    obs = env.reset(22)
+    assert env.detail()["carrying"] == "yellow box" and "You are carrying a yellow box." in obs
+    view = obs.split("\n")[1]  # the goal line names the box too
+    assert "There is a yellow box" not in view and "go to yellow box 1" not in obs
+
+
 # ---- actions ----
 def test_turn_and_move(env):
     env.reset(0)

@@ -14,7 +14,7 @@ from conftest import raw
 from flask import Flask, Response, jsonify, request
 from toy_env import CounterEnv
 
-from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from
+from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from, train_reward
 from env_server.app import create_app, serve_wsgi_in_thread
 
 
@@ -142,9 +142,13 @@ def agentgym_like(dialect: str) -> Flask:
     @app.post("/create")
     def create():
         i = len(games)
-        games[i] = {"task": None, "n": 0}
-        if dialect == "searchqa":
+        if dialect == "searchqa":  # {"id": <task>} is required (FastAPI's 422 without it); a bare id back
+            b = request.get_json(silent=True) or {}
+            if not isinstance(b.get("id"), int):
+                return jsonify({"detail": "field required: id"}), 422
+            games[i] = {"task": b["id"], "n": 0}
             return jsonify(i)
+        games[i] = {"task": None, "n": 0}
         if dialect == "webarena":
             return jsonify({"env_idx": i})
         return jsonify({"id": i, "observation": "", "reward": 0, "done": False})
@@ -154,10 +158,12 @@ def agentgym_like(dialect: str) -> Flask:
         b = request.get_json()
         if b.get(key) not in games:
             return jsonify({"error": f"The id {b.get(key)} is not valid."})
-        task = b["idx"] if dialect == "webarena" else b["data_idx"]
+        task = b[{"webarena": "idx", "searchqa": "id"}.get(dialect, "data_idx")]
         games[b[key]] = {"task": task, "n": 0}
         if dialect == "webarena":
             return jsonify({"observation": "bare page"})  # the prompt comes from /observation
+        if dialect == "searchqa":
+            return jsonify(f"task {task}")  # the observation itself
         return jsonify({key: b[key], "observation": f"task {task}", "reward": 0, "done": False})
 
     @app.post("/step")
@@ -222,7 +228,9 @@ def test_drives_agentgym_webarena_and_searchqa_dialects(agentgym_server):
     assert w.id_key == "env_idx" and w.reset(12) == "task 12"  # observation fetched after reset
     assert w.step("click [1]").done is False and w.step("stop [x]").done is True  # from `terminated`
     q = EnvClient(agentgym_server("searchqa"))
-    assert q.id_key == "env_idx" and q.reset(3) == "task 3"
+    assert q.id_key == "env_idx" and q.observation() == "task 0"  # created on task `id` 0
+    assert q.reset(3) == "task 3" and q.step("<search>x</search>").observation == "<search>x</search> #1"
+    q.close()
 
 
 def test_pool_falls_back_to_single_requests(agentgym_server):
@@ -418,8 +426,9 @@ def test_valid_step_answers_still_parse():
     assert (s.reward, s.done) == (1.0, True) and isinstance(s.reward, float)
     assert _step_from({"observation": "o", "reward": 0.5, "done": 0}).done is False
     babyai = _step_from({"observation": "o", "reward": 0.0, "score": 0.75, "done": True})
-    sciworld = _step_from({"observation": "o", "reward": 3, "score": 0.35, "done": False, "info": {}})
-    assert (babyai.reward, sciworld.reward, sciworld.done) == (0.75, 0.35, False)
+    sciworld = _step_from({"observation": "o", "reward": 3, "score": 35, "done": False, "info": {}})
+    assert (babyai.reward, sciworld.reward, sciworld.done) == (0.75, 35.0, False)  # the server's scale
+    assert (train_reward("babyai", babyai.reward), train_reward("sciworld", sciworld.reward)) == (0.75, 0.35)
     webarena = _step_from({"observation": "o", "reward": 1.0, "terminated": True, "truncated": False})
     assert (webarena.reward, webarena.done) == (1.0, True)
     cut = _step_from({"observation": "o", "reward": 1.0, "terminated": 0, "truncated": 1})

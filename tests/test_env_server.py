@@ -43,6 +43,46 @@ def test_create_with_task_and_env_idx_alias(toy_server):
     status, r = raw(toy_server, "POST", "/reset", {"env_idx": c["id"], "idx": 4, "seed": 0})
     assert status == 200 and r["observation"] == "Reach 7."
     assert raw(toy_server, "GET", f"/observation?env_idx={c['id']}") == (200, "Total: 0")
+    # `env_idx` names the instance, so an `id` beside it is a task, never another instance
+    status, r = raw(toy_server, "POST", "/reset", {"env_idx": c["id"], "id": 1})
+    assert status == 200 and r["id"] == c["id"] and r["observation"] == "Reach 4."
+    status, r = raw(toy_server, "POST", "/step", {"env_idx": c["id"], "id": 99, "action": "add 1"})
+    assert status == 200 and r["observation"] == "Total: 1"
+
+
+class BareCounterEnv(CounterEnv):
+    bare_answers = True
+
+
+def test_bare_answers_speak_agentgym_searchqa_dialect():
+    url, stop = serve_in_thread(BareCounterEnv, first_id=0)
+    try:
+        assert raw(url, "POST", "/create", {"id": 3}) == (200, 0)  # a bare id; the instance is on task 3
+        assert raw(url, "GET", "/observation?env_idx=0") == (200, "Total: 0")
+        assert raw(url, "GET", "/detail?env_idx=0")[1]["task"] == 3
+        assert raw(url, "POST", "/create", None, {}) == (200, 1)  # no body: a bare id, no task yet
+        assert raw(url, "POST", "/reset", {"env_idx": 1, "id": 2}) == (200, "Reach 5.")  # the bare observation
+        status, s = raw(url, "POST", "/step", {"env_idx": 1, "action": "add 5"})
+        assert status == 200 and s["done"] is True and set(s) >= {"observation", "reward", "done", "info"}
+        assert raw(url, "POST", "/close", {"env_idx": 1}) == (200, True)
+        # the project's own shapes on the same server: a create without `id`, a reset by `id`, /batch
+        status, c = raw(url, "POST", "/create", {"request_key": "k"})
+        assert status == 200 and c["id"] == 2 and c["observation"] == ""
+        status, r = raw(url, "POST", "/reset", {"id": 2, "data_idx": 1})
+        assert status == 200 and r["observation"] == "Reach 4."
+        ops = [{"op": "create", "id": 4}, {"op": "reset", "env_idx": 2, "id": 0}]
+        status, out = raw(url, "POST", "/batch", {"ops": ops})
+        assert status == 200 and out["results"][0]["observation"] == "Reach 7." and out["results"][1]["id"] == 2
+        # mistakes are 4xx JSON errors in this dialect too
+        for path, body, code in [("/create", {"id": "0"}, 400), ("/create", {"id": 20}, 400),
+                                 ("/create", {"id": True}, 400), ("/reset", {"env_idx": 2}, 400),
+                                 ("/reset", {"env_idx": 2, "id": -1}, 400), ("/reset", {"env_idx": "2", "id": 0}, 400),
+                                 ("/reset", {"env_idx": 99, "id": 0}, 404), ("/step", {"env_idx": 2}, 400),
+                                 ("/close", {"env_idx": None}, 400), ("/close", {"env_idx": 1}, 404)]:
+            status, e = raw(url, "POST", path, body)
+            assert status == code and "error" in e, (path, body, status, e)
+    finally:
+        stop()
 
 
 @pytest.mark.parametrize("method,path,body,status,needle", [

@@ -9,12 +9,12 @@ import torch
 from conftest import sampled_runs
 
 from agents import ONE_ACTION_ERROR
-from env_client import EnvPool
+from env_client import EnvPool, Step
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
-from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, length_buckets, rollout,
-                     write_log)
+from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success, length_buckets,
+                     rollout, write_log)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
@@ -310,3 +310,31 @@ def test_play_in_chunks_counts_ended_episodes_chunk_by_chunk(textcraft_url, caps
     assert seen == [(1, 0, 2), (2, 2, 2)] * 3  # every chunk, padded to the pool's two instances
     err = capsys.readouterr().err
     assert "5/5" in err and "chunk 3/3, turn 2" in err
+
+
+class OneStepPool:
+    """One instance whose every step ends the episode with the given value, on its server's scale."""
+
+    size = 1
+
+    def __init__(self, value):
+        self.value = value
+
+    def reset(self, item_ids):
+        return ["Your task is to wait."]
+
+    def step(self, actions):
+        return [Step("Done.", self.value, True)]
+
+
+class SayAction:
+    def replies(self, trajs, slots):
+        return [Reply("Thought: t\nAction: wait") for _ in slots]
+
+
+@pytest.mark.parametrize("env,value,reward", [("sciworld", 25, 0.25), ("sciworld", 100, 1.0),
+                                              ("sciworld", -100, -1.0), ("textcraft", 1.0, 1.0)])
+def test_rewards_are_read_on_the_trainers_scale(env, value, reward):
+    """SciWorld's server scores 0-100, as AgentGym's: the trajectory holds the score / 100."""
+    t, = rollout(SayAction(), OneStepPool(value), env, [0], [0], RolloutConfig(max_turns=2))
+    assert (t.status, t.reward, is_success(t)) == ("done", reward, reward > 0)

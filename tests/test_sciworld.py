@@ -1,7 +1,8 @@
 """SciWorld environment (env_server/sciworld.py): the game list and splits (no JVM needed), then the real
 server over HTTP (`python -m env_server sciworld`, one JVM per instance): endpoints, bad input, the
-expert, score and episode ends, the JVM cap, and a killed JVM. JVMs are slow to start (~2 s), so one
-server, capped at two JVMs, serves the whole file and one shared instance plays the games."""
+expert, score (0-100 from the server, as AgentGym's; 0-1 where the rollout reads it) and episode ends,
+the JVM cap, and a killed JVM. JVMs are slow to start (~2 s), so one server, capped at two JVMs, serves
+the whole file and one shared instance plays the games."""
 
 import argparse
 import importlib.util
@@ -13,10 +14,12 @@ import time
 import pytest
 from conftest import raw
 
-from env_client import EnvClient, EnvError
+from agents import react_reply
+from env_client import EnvClient, EnvError, EnvPool
 from env_server import get_env_class
 from env_server.app import ServerProcess
 from env_server.sciworld import EXCLUDED_TYPES, SciWorldEnv
+from rollout import Reply, RolloutConfig, rollout
 
 MAX_JVMS = 2  # the shared instance's and one more
 MISSING = ("the scienceworld package is not installed" if importlib.util.find_spec("scienceworld") is None
@@ -147,7 +150,7 @@ def test_every_endpoint(server, world):
         status, a = raw(url, "GET", f"/expert_action?id={iid}")
         assert status == 200 and isinstance(a, str) and a  # an unknown command did not leave the gold path
         status, s = raw(url, "POST", "/step", {"id": iid, "action": a})
-        assert status == 200 and set(s["info"]) == {"game_score", "moves", "completed"}
+        assert status == 200 and set(s["info"]) == {"moves", "completed"}
         assert raw(url, "GET", f"/detail?id={iid}")[1]["steps"] == 2
     finally:
         assert raw(url, "POST", "/close", {"id": iid}) == (200, True)
@@ -187,7 +190,7 @@ def test_reset_reuses_the_jvm(client, world):
 def test_expert_solves_a_test_task(client, world, task_type):
     score, _ = play_expert(client, first_test_id(world, task_type))
     d = client.detail()
-    assert score == 1.0 and d["completed"] and d["score"] == 1.0 and d["game_score"] == 100, d
+    assert score == 100 and d["completed"] and d["score"] == 100, d
     assert client.expert_action() is None
 
 
@@ -225,10 +228,55 @@ def test_expert_asked_mid_episode_replays_the_episode(client, world):
 def test_negative_score_ends_the_episode(client, world):
     client.reset(first_test_id(world, "find-living-thing"))
     step = client.step("focus on agent")  # the wrong thing to focus on: the game fails the task
-    assert step.done and step.reward == -1.0 and step.raw["reward"] == -1.0 and step.raw["info"]["game_score"] == -100
+    assert step.done and step.reward == -100 and (step.raw["score"], step.raw["reward"]) == (-100, -100)
     with pytest.raises(EnvError) as e:
         client.step("look around")
     assert e.value.status == 409
+
+
+class ExpertReplies:
+    """A text policy that answers each instance's expert action in the prompt's format, and keeps the
+    reward each trajectory holds when asked (the reward after the turn before)."""
+
+    def __init__(self, pool):
+        self.pool, self.seen = pool, []
+
+    def replies(self, trajs, slots):
+        self.seen.append([t.reward for t in trajs])
+        actions = [self.pool.clients[i].expert_action() for i in slots]
+        return [Reply(react_reply("sciworld", a)) if a else None for a in actions]
+
+
+class RecordingPool:
+    """An EnvPool that keeps every step's answer, as the server sent it."""
+
+    def __init__(self, pool):
+        self.pool, self.size, self.steps = pool, pool.size, []
+
+    def reset(self, item_ids):
+        return self.pool.reset(item_ids)
+
+    def step(self, actions):
+        out = self.pool.step(actions)
+        self.steps.append(out[0])
+        return out
+
+
+@needs_jvm
+def test_server_scores_0_to_100_and_the_rollout_reads_0_to_1(server, client, world):
+    """The server's `score` is AgentGym's 0-100 integer and `reward` its change; the client's Step keeps
+    the server's value; the trajectory's reward (what train.py and eval.py read) is that score / 100."""
+    task = first_test_id(world, "find-living-thing")
+    with EnvPool(server.url, 1) as pool:  # its instance takes the JVM the shared one leaves
+        rec, policy = RecordingPool(pool), ExpertReplies(pool)
+        done, = rollout(policy, rec, "sciworld", [task], [0], RolloutConfig(max_turns=30))
+    scores = [s.raw["score"] for s in rec.steps]
+    assert all(type(v) is int for v in scores) and scores[-1] == 100, scores
+    assert any(0 < v < 100 for v in scores), scores  # sub-goal credit along the way
+    assert [s.raw["reward"] for s in rec.steps] == [b - a for a, b in zip([0] + scores, scores)]
+    assert [s.reward for s in rec.steps] == scores  # the client's Step: the server's scale
+    assert [seen for seen, in policy.seen[1:]] == [v / 100 for v in scores[:-1]]  # the trainer's: 0-1
+    assert done.status == "done" and done.reward == 1.0
 
 
 @needs_jvm

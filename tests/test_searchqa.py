@@ -362,7 +362,16 @@ def test_over_http_errors_and_details(server):
     s = c.step("<answer>surely not</answer>")
     assert (s.observation, s.reward, s.done) == (WRONG, 0.0, False)
     iid = c.id
+    assert c.id_key == "env_idx"  # the client's create carries AgentGym's `id`: a bare id came back
     assert raw(server.url, "POST", "/step", {"id": iid, "action": 5})[0] == 400
     assert raw(server.url, "POST", "/reset", {"id": iid, "data_idx": 360})[0] == 400
-    assert raw(server.url, "POST", "/reset", {"env_idx": iid, "data_idx": 3})[0] == 200  # AgentGym's dialect
+    status, obs = raw(server.url, "POST", "/reset", {"env_idx": iid, "id": 3})  # AgentGym's dialect: bare
+    assert status == 200 and isinstance(obs, str) and "Question: " in obs
+    status, r = raw(server.url, "POST", "/reset", {"id": iid, "data_idx": 3})  # the project's: an object
+    assert status == 200 and r["observation"] == obs
+    for path, body, code in [("/create", {"id": 360}, 400), ("/create", {"id": "3"}, 400),
+                             ("/reset", {"env_idx": iid}, 400), ("/reset", {"env_idx": iid, "id": 360}, 400),
+                             ("/reset", {"env_idx": 10**12, "id": 3}, 404), ("/step", {"env_idx": iid}, 400)]:
+        status, e = raw(server.url, "POST", path, body)
+        assert status == code and "error" in e, (path, body, status, e)
     c.close()

@@ -142,7 +142,7 @@ def test_the_name_works_in_the_three_scripts(smollm2, tmp_path):
 
     from conftest import ROOT
 
-    common = ["--env", "corridor", "--model", "smollm2-135m", "--cache-dir", CACHE, "--max-new-tokens", "4",
+    common = ["--env", "corridor", "--model", "smollm2-135m", "--engine", "hf", "--cache-dir", CACHE, "--max-new-tokens", "4",
               "--threads", "2"]
     runs = {
         "train.py": ["--steps", "1", "--schedule", "1", "--batch-size", "1", "--group-size", "2", "--eval-every", "0",

@@ -108,7 +108,7 @@ def test_dns_rebinding_is_refused_on_loopback(toy_server):
 
 def test_a_server_bound_elsewhere_takes_any_host():
     """Bound to another address (--host), Host names cannot be known beforehand: any is accepted (and
-    there is no authentication: README, Reliability). make_server tells the app where it is bound."""
+    there is no authentication: docs/reliability.md). make_server tells the app where it is bound."""
     apps = [create_app(CounterEnv, host=h, idle_timeout_s=0) for h in ("0.0.0.0", "127.0.0.1", "0.0.0.0")]
     try:
         c = apps[0].test_client()

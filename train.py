@@ -289,10 +289,10 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
 
 def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: torch.dtype):
     """The generation engine --engine names (auto: engines.resolve_engine). vLLM loads `model_path`'s
-    weights itself, in the compute dtype, with a KV cache for the larger of a step's and an evaluation's
-    episodes."""
+    weights itself, in the compute dtype, with a KV cache for the larger of a step's and (where the run
+    evaluates) an evaluation's episodes."""
     kind = resolve_engine(cfg.engine, model_path, device)
-    batch = max(cfg.batch_size // world_size() * cfg.group_size, cfg.eval_batch)
+    batch = max(cfg.batch_size // world_size() * cfg.group_size, cfg.eval_batch if cfg.eval_every else 0)
     try:
         engine = make_engine(kind, model, model_path, pad, batch=batch, max_model_len=cfg.max_context,
                              dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,

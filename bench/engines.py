@@ -13,8 +13,9 @@ hits both alike):
 - eval: `eval.py` as a whole process (start-up, model load and env server included) on the first
   --eval-tasks TextCraft test tasks, one sample each, K --eval-turns, 128 new tokens, seed 0;
 - step: `train.py` as a whole process, one RL step of --step-tasks tasks x --step-group samples at K
-  --step-turns, 128 new tokens, the real-model defaults (dynamic sampling off: one rollout round), with its
-  own timings (rollout, update, weight sync) read from metrics.jsonl.
+  --step-turns, 128 new tokens, the real-model defaults (dynamic sampling off: one rollout round;
+  micro-batches of 4,096 tokens, which a 24 GB machine needs beside vLLM's KV cache), with its own
+  timings (rollout, update, weight sync) read from metrics.jsonl.
 
 Targets (exit status 1 when one is missed, where its part ran): eval.py on vLLM at least 3x HF on the same
 evaluation; the full evaluation (104 tasks, K 30) within 20 minutes on vLLM; one RL step of 8 x 4 at K 10
@@ -124,7 +125,8 @@ def eval_part(a, tmp: str) -> dict:
                "--cache-dir", a.cache_dir, *threads_flag(a), *(["--vllm-eager"] if a.vllm_eager else [])]
         rows[time_key][kind] = run_script(cmd, os.path.join(tmp, f"eval_{kind}.log"))
         with open(out) as f:
-            rows[ok_key][kind] = 100 * json.load(f)["success_rate"]
+            rows[ok_key][kind] = 100 * json.load(f)["overall"]["avg@1"]
+        print(f"  {kind}: {rows[time_key][kind]:.0f} s, success {rows[ok_key][kind]:.1f}%", flush=True)
     return rows
 
 
@@ -137,13 +139,15 @@ def step_part(a, tmp: str) -> dict:
         cmd = ["train.py", "--env", "textcraft", "--model", a.model, "--engine", kind, "--steps", "1",
                "--batch-size", str(a.step_tasks), "--group-size", str(a.step_group), "--schedule",
                str(a.step_turns), "--max-new-tokens", "128", "--max-context", "8192", "--eval-every", "0",
-               "--no-dynamic-sampling", "--save-every", "-1", "--out", out, "--cache-dir", a.cache_dir,
+               "--no-dynamic-sampling", "--micro-batch-tokens", "4096", "--save-every", "-1", "--out", out,
+               "--cache-dir", a.cache_dir,
                *threads_flag(a), *(["--vllm-eager"] if a.vllm_eager else [])]
         rows[keys[0]][kind] = run_script(cmd, os.path.join(tmp, f"step_{kind}.log"))
         with open(os.path.join(out, "metrics.jsonl")) as f:
             m = json.loads(f.readline())
         rows[keys[1]][kind], rows[keys[2]][kind] = m["time_rollout_s"], m["time_update_s"]
         rows[keys[3]][kind] = m.get("time_sync_s", 0.0)
+        print(f"  {kind}: " + ", ".join(f"{k.strip()} {rows[k][kind]:.0f}" for k in keys), flush=True)
     return rows
 
 
@@ -209,13 +213,13 @@ def main() -> None:
     print(f"model {path}, bf16, threads {a.threads or 'per script'}, vLLM {'eager' if a.vllm_eager else 'compiled'}, "
           f"{os.cpu_count()} cores", flush=True)
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        if "eval" in a.parts:
-            rows.update(eval_part(a, tmp))
-        if "step" in a.parts:
-            rows.update(step_part(a, tmp))
-        if "micro" in a.parts:  # last: its engines live in this process
-            rows.update(micro(a, path))
+    tmp = tempfile.mkdtemp(prefix="bench-engines-")  # the scripts' logs and outputs stay there
+    if "eval" in a.parts:
+        rows.update(eval_part(a, tmp))
+    if "step" in a.parts:
+        rows.update(step_part(a, tmp))
+    if "micro" in a.parts:  # last: its engines live in this process
+        rows.update(micro(a, path))
     print(table(rows, a.engines))
     missed = targets(rows, a)
     for m in missed:

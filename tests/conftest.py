@@ -45,7 +45,8 @@ def pytest_sessionstart(session):
             vllm = importlib.metadata.version("vllm")
         except importlib.metadata.PackageNotFoundError:
             vllm = "not installed"
-    line = (f"machine: {model}, {len(os.sched_getaffinity(0))} cores usable, native bf16: {cpu_has_bf16()}, "
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS has no affinity
+    line = (f"machine: {model}, {cores} cores usable, native bf16: {cpu_has_bf16()}, "
             f"{mem:.0f} GiB; torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm}")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

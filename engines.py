@@ -368,7 +368,8 @@ class VLLMEngine:
     `generate` wakes the rest. Level 2 would drop the host copy, but a level-2 engine holds garbage until
     every weight is reloaded, a failure that shows only as bad samples. vLLM's CPU backend has no sleep
     mode: there the engine keeps its weights and a KV cache for `kv_cache_tokens` tokens (make_engine: the
-    run's batch times its context; kv_cache_bytes) beside the trainer's, and sleep/wake do nothing.
+    run's batch times its context, or the scripts' --vllm-kv-tokens; kv_cache_bytes) beside the trainer's,
+    and sleep/wake do nothing.
 
     CPU threads. vLLM's CPU worker would pin OpenMP threads to cores of its choosing and make
     `torch.set_num_threads` a no-op for the rest of the process; the scripts set threads per phase

@@ -86,6 +86,8 @@ class EvalConfig:
                       choices=["auto", "hf", "vllm"])
     vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts in ~20 s instead of ~80 s on 2 cores; "
                                   "decodes slower)")
+    vllm_kv_tokens: int = arg(0, "vLLM on a CPU: tokens of KV cache (0: --batch x --max-context, at most a quarter "
+                                 "of RAM); lower it to run two jobs side by side on one machine")
     # Run
     out: str | None = arg(None, "result JSON (default: RUN_DIR/eval_SPLIT.json, else eval_ENV_SPLIT.json)")
     seed: int = arg(0, "seed of sampling")
@@ -156,7 +158,7 @@ def parse_args(argv=None) -> EvalConfig:
             print(f"eval.py: from {cfg.checkpoint}/config.json: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
     check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
     check_ranges(p, cfg, {"temperature": "[0, inf)", "top_p": "(0, 1]", "endpoint_timeout_s": "(0, inf)",
-                          "endpoint_retries": "[0, inf)", "endpoint_workers": "[1, inf)"})
+                          "endpoint_retries": "[0, inf)", "endpoint_workers": "[1, inf)", "vllm_kv_tokens": "[0, inf)"})
     check_device(p, cfg.device)
     check_env(p, cfg)
     check_model(p, cfg.model)
@@ -188,7 +190,8 @@ def parse_args(argv=None) -> EvalConfig:
 
 # ---------------------------------------------------------------- a cut evaluation, continued
 # Fields that do not change what is played: a cut evaluation continues under other values of these.
-FREE_TO_CHANGE = ("out", "threads", "curriculum", "endpoint_workers", "endpoint_timeout_s", "endpoint_retries")
+FREE_TO_CHANGE = ("out", "threads", "curriculum", "endpoint_workers", "endpoint_timeout_s", "endpoint_retries",
+                  "vllm_kv_tokens")
 
 
 def partial_path(out: str) -> str:
@@ -211,7 +214,7 @@ def read_partial(cfg: EvalConfig) -> list[Trajectory]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a cut evaluation of eval.py ({type(e).__name__}: {e}); remove it") from None
     mine = play_settings(cfg)
-    differ = [k for k in sorted(set(mine) | set(settings)) if mine.get(k) != settings.get(k)]
+    differ = [k for k in sorted(set(mine) | set(settings)) if k not in FREE_TO_CHANGE and mine.get(k) != settings.get(k)]
     if differ:
         k = differ[0]
         raise ValueError(f"{path} holds a cut evaluation with --{k.replace('_', '-')} {settings.get(k)}, not "
@@ -393,7 +396,8 @@ def load_local(cfg: EvalConfig):
         dtype = resolve_dtype(cfg.dtype, device)  # vLLM serves real models only: the parameter rule holds
         try:
             engine = make_engine("vllm", None, path, pad_id(tokenizer), batch=cfg.batch, max_model_len=cfg.max_context,
-                                 dtype=str(dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=cfg.vllm_eager)
+                                 dtype=str(dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=cfg.vllm_eager,
+                                 **({"kv_cache_tokens": cfg.vllm_kv_tokens} if cfg.vllm_kv_tokens else {}))
         except ImportError as e:
             raise SystemExit(str(e)) from None
         print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)

@@ -115,6 +115,8 @@ class Config:
     vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts in ~20 s instead of ~80 s on 2 cores; "
                                   "decodes slower)")
     vllm_gpu_memory: float = arg(0.5, "vLLM: share of the GPU memory for weights and KV cache")
+    vllm_kv_tokens: int = arg(0, "vLLM on a CPU: tokens of KV cache (0: a step's episodes x --max-context, at most "
+                                 "a quarter of RAM); lower it to run two jobs side by side on one machine")
     temperature: float = arg(1.0, "sampling temperature")
     top_p: float = arg(1.0, "nucleus sampling")
     max_new_tokens: int = arg(64, "tokens per assistant turn")
@@ -165,7 +167,7 @@ def parse_args(argv=None) -> Config:
         "lr": "(0, inf)", "critic_lr": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "gamma": "[0, 1]",
         "lam": "[0, 1]", "weight_decay": "[0, inf)", "clip_low": "[0, 1)", "clip_high": "[0, inf)",
         "tis_cap": "(0, inf)", "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)",
-        "vllm_gpu_memory": "(0, 1]", "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)",
+        "vllm_gpu_memory": "(0, 1]", "vllm_kv_tokens": "[0, inf)", "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)",
         "eval_tasks": "[0, inf)", "eval_turns": "[1, inf)", "schedule_every": "[1, inf)", "env_timeout": "(0, inf)",
         "env_wait": "[0, inf)", "max_env_error_share": "[0, 1)", "env_error_patience": "[1, inf)"})
     checks = [(cfg.max_context > cfg.max_new_tokens, "--max-context must be larger than --max-new-tokens"),
@@ -296,7 +298,8 @@ def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: tor
     try:
         engine = make_engine(kind, model, model_path, pad, batch=batch, max_model_len=cfg.max_context,
                              dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
-                             gpu_memory_utilization=cfg.vllm_gpu_memory, enforce_eager=cfg.vllm_eager)
+                             gpu_memory_utilization=cfg.vllm_gpu_memory, enforce_eager=cfg.vllm_eager,
+                             **({"kv_cache_tokens": cfg.vllm_kv_tokens} if cfg.vllm_kv_tokens else {}))
     except ImportError as e:
         sys.exit(str(e))
     if kind == "vllm" and global_rank() == 0:

@@ -318,6 +318,26 @@ def test_kv_cache_bytes(tmp_path):
     assert huge <= memory / 4 and huge > memory / 4 - SMOLLM2_KV_BYTES_PER_TOKEN, "capped at a quarter of memory"
 
 
+def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tmp_path, monkeypatch):
+    """--vllm-kv-tokens replaces the batch x context default (two jobs can then share one machine's memory);
+    0 keeps it."""
+    import eval as ev
+    import train
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    base = ["--env", "textcraft", "--model", str(tmp_path), "--engine", "vllm", "--max-context", "1024"]
+    for extra, tokens in (([], 8 * 4 * 1024), (["--vllm-kv-tokens", "3000"], 3000)):
+        cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4", "--eval-every", "0", *extra])
+        train.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
+        assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == tokens * 2 * SMOLLM2_KV_BYTES_PER_TOKEN
+    cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16", "--vllm-kv-tokens", "2000"])
+    monkeypatch.setattr("policy.load_tokenizer", lambda path: types.SimpleNamespace())  # no tokenizer files here
+    monkeypatch.setattr("policy.pad_id", lambda tokenizer: 0)
+    monkeypatch.setattr("rollout.ChatFormat", lambda tokenizer: None)
+    ev.load_local(cfg)
+    assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == 2000 * SMOLLM2_KV_BYTES_PER_TOKEN
+
+
 def test_param_count_reads_safetensors_headers(tmp_path):
     from tiny_model import build_model
 

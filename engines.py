@@ -660,9 +660,9 @@ def make_engine(kind: str, model, model_path: str, pad_id: int, batch: int = 64,
     colocated VLLMEngine loaded from `model_path`, a folder with the same weights as `model` (they are
     pushed again by `sync_weights` after each update); `vllm_kwargs` go to VLLMEngine (max_model_len,
     dtype, seed, gpu_memory_utilization, enforce_eager, ...). On a CPU its KV cache holds `batch`
-    conversations of max_model_len tokens (kv_cache_tokens). Under torchrun every rank has a whole-model
-    engine sampling its own rank's prompts: vLLM's external launcher counts the ranks as data-parallel
-    engines (world = tp x pp x dp, here dp = N)."""
+    conversations of max_model_len tokens, or `kv_cache_tokens` where given and not 0. Under torchrun
+    every rank has a whole-model engine sampling its own rank's prompts: vLLM's external launcher counts
+    the ranks as data-parallel engines (world = tp x pp x dp, here dp = N)."""
     if kind == "hf":
         return HFEngine(model, pad_id)
     if kind == "vllm":
@@ -670,7 +670,8 @@ def make_engine(kind: str, model, model_path: str, pad_id: int, batch: int = 64,
 
         if world_size() > 1:
             vllm_kwargs.setdefault("data_parallel_size", world_size())
-        vllm_kwargs.setdefault("kv_cache_tokens", batch * (vllm_kwargs.get("max_model_len") or 4096))
+        context = vllm_kwargs.get("max_model_len") or 4096
+        vllm_kwargs["kv_cache_tokens"] = vllm_kwargs.get("kv_cache_tokens") or batch * context
         vllm_kwargs.setdefault("max_num_seqs", max(batch, 1))
         return VLLMEngine(model_path, **vllm_kwargs)
     raise ValueError(f"unknown engine {kind!r}: choose hf, vllm or auto")

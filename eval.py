@@ -397,7 +397,7 @@ def load_local(cfg: EvalConfig):
         try:
             engine = make_engine("vllm", None, path, pad_id(tokenizer), batch=cfg.batch, max_model_len=cfg.max_context,
                                  dtype=str(dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=cfg.vllm_eager,
-                                 **({"kv_cache_tokens": cfg.vllm_kv_tokens} if cfg.vllm_kv_tokens else {}))
+                                 kv_cache_tokens=cfg.vllm_kv_tokens)
         except ImportError as e:
             raise SystemExit(str(e)) from None
         print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)

@@ -299,7 +299,7 @@ def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: tor
         engine = make_engine(kind, model, model_path, pad, batch=batch, max_model_len=cfg.max_context,
                              dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
                              gpu_memory_utilization=cfg.vllm_gpu_memory, enforce_eager=cfg.vllm_eager,
-                             **({"kv_cache_tokens": cfg.vllm_kv_tokens} if cfg.vllm_kv_tokens else {}))
+                             kv_cache_tokens=cfg.vllm_kv_tokens)
     except ImportError as e:
         sys.exit(str(e))
     if kind == "vllm" and global_rank() == 0:

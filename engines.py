@@ -399,6 +399,10 @@ class VLLMEngine:
         self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # None ("auto"): no cast
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # vLLM (0.32, torch 2.13) saves the compiled model as an AOT artifact that then fails to load on a
+            # CPU ("'function' object has no attribute 'finalize_loading'"), so every start compiled it again;
+            # torch.compile's own cache does load: SmolLM2 starts in 47 s instead of 116 s (docs/speed.md).
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             # Seeded requests sample with a generator of their own; when a prompt is prefilled in chunks, vLLM
             # rewinds that generator's offset for the token it discards, which a CPU generator does not have
             # ("CPU Generator does not use offset"). Whole prompts per step, as vLLM's CPU backend does itself
@@ -576,20 +580,25 @@ def _module_scan_guard():
                 namespace[name] = value
 
 
+# vLLM keeps one block of its KV pool as a "null block" that holds no tokens (128 tokens a block on its CPU
+# backend, 256 for some models): without this margin a cache of exactly one context refuses to start.
+VLLM_RESERVED_TOKENS = 256
+
+
 def kv_cache_bytes(model_path: str, tokens: int, min_tokens: int, dtype: torch.dtype = torch.bfloat16,
                    max_share: float = 0.25) -> int:
-    """Bytes of KV cache (keys and values of every layer) for `tokens` tokens of the model in
+    """Bytes of KV cache (keys and values of every layer) for `tokens` usable tokens of the model in
     `model_path`: the run's batch times its context, capped at `max_share` of this machine's memory but
-    never below `min_tokens` (one whole context). vLLM schedules within it: a request that does not fit
-    waits, or is recomputed later."""
+    never below `min_tokens` (one whole context), plus vLLM's reserved block. vLLM schedules within it: a
+    request that does not fit waits, or is recomputed later."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_path)
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-    cap = int(max_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // per_token
-    return max(min(tokens, cap), min_tokens) * per_token
+    cap = int(max_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // per_token - VLLM_RESERVED_TOKENS
+    return (max(min(tokens, cap), min_tokens) + VLLM_RESERVED_TOKENS) * per_token
 
 
 def param_count(model_path: str) -> int | None:

@@ -283,23 +283,29 @@ def test_engine_construction_on_a_gpu(fake_vllm):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
 
 
-def test_engine_construction_on_a_cpu(fake_cpu_vllm, tmp_path):
+def test_engine_construction_on_a_cpu(fake_cpu_vllm, tmp_path, monkeypatch):
     """vLLM's CPU backend: no sleep mode asked for (vLLM refuses it there), a KV cache sized from the run's
-    batch and context, threads left to the scripts (no pinning, torch.set_num_threads still works)."""
+    batch and context, threads left to the scripts (no pinning, torch.set_num_threads still works), and
+    torch.compile's own cache instead of vLLM's AOT artifact, which does not load on a CPU."""
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     set_threads = torch.set_num_threads
     engine = make_engine("vllm", None, str(tmp_path), pad_id=0, batch=8, max_model_len=1024, enforce_eager=True)
     kw = fake_cpu_vllm.llms[0].kwargs
     assert kw["enable_sleep_mode"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 8
-    assert kw["kv_cache_memory_bytes"] == 8 * 1024 * SMOLLM2_KV_BYTES_PER_TOKEN
+    assert kw["kv_cache_memory_bytes"] == (8 * 1024 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
     # seeded requests on a CPU: whole prompts per step (see VLLMEngine.__init__)
     assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 8192
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_USE_AOT_COMPILE"] == "0"
     assert torch.set_num_threads is set_threads, "the engine gives torch its set_num_threads back"
     engine.generate([[1]], 2, [3])
     engine.sleep(), engine.wake_up()  # nothing to do on a CPU, and nothing asked of vLLM
     engine.sync_weights(torch.nn.Linear(2, 2))
     assert fake_cpu_vllm.llms[0].log == ["generate", "reload", "reset_prefix_cache"]
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    make_engine("vllm", None, str(tmp_path), pad_id=0, batch=8, max_model_len=1024)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1", "the caller's setting is kept"
 
 
 SMOLLM2_SHAPE = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -310,9 +316,10 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # keys and values x layers x k
 def test_kv_cache_bytes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     path = str(tmp_path)
-    assert engines.kv_cache_bytes(path, 1000, 10) == 1000 * SMOLLM2_KV_BYTES_PER_TOKEN
-    assert engines.kv_cache_bytes(path, 1000, 10, torch.float32) == 2000 * SMOLLM2_KV_BYTES_PER_TOKEN
-    assert engines.kv_cache_bytes(path, 10, 4096) == 4096 * SMOLLM2_KV_BYTES_PER_TOKEN, "one whole context at least"
+    spare = engines.VLLM_RESERVED_TOKENS  # vLLM's null block, on top of the tokens asked for
+    assert engines.kv_cache_bytes(path, 1000, 10) == (1000 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN
+    assert engines.kv_cache_bytes(path, 1000, 10, torch.float32) == 2 * (1000 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN
+    assert engines.kv_cache_bytes(path, 10, 4096) == (4096 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN, "a whole context"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     huge = engines.kv_cache_bytes(path, 10**12, 10)
     assert huge <= memory / 4 and huge > memory / 4 - SMOLLM2_KV_BYTES_PER_TOKEN, "capped at a quarter of memory"
@@ -329,13 +336,15 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     for extra, tokens in (([], 8 * 4 * 1024), (["--vllm-kv-tokens", "3000"], 3000)):
         cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4", "--eval-every", "0", *extra])
         train.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
-        assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == tokens * 2 * SMOLLM2_KV_BYTES_PER_TOKEN
+        want = (tokens + engines.VLLM_RESERVED_TOKENS) * 2 * SMOLLM2_KV_BYTES_PER_TOKEN  # fp32 here
+        assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
     cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16", "--vllm-kv-tokens", "2000"])
     monkeypatch.setattr("policy.load_tokenizer", lambda path: types.SimpleNamespace())  # no tokenizer files here
     monkeypatch.setattr("policy.pad_id", lambda tokenizer: 0)
     monkeypatch.setattr("rollout.ChatFormat", lambda tokenizer: None)
     ev.load_local(cfg)
-    assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == 2000 * SMOLLM2_KV_BYTES_PER_TOKEN
+    want = (2000 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
+    assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
 
 
 def test_param_count_reads_safetensors_headers(tmp_path):
@@ -704,3 +713,31 @@ def trainer_logprobs_of(state: dict, model, prompt, ids):
         return trainer_logprobs(model, prompt, ids, 0.0)
     finally:
         model.load_state_dict(now)
+
+
+@needs_vllm
+def test_real_vllm_starts_with_a_kv_cache_of_one_context(smollm2_path):
+    """The smallest KV cache the scripts ask for is one whole context (eval.py --batch 1, or --vllm-kv-tokens
+    below --max-context). vLLM keeps one block of the pool for itself; without kv_cache_bytes' margin for
+    it, such an engine refused to start ("... larger than the available KV cache memory"). Also: the AOT
+    switch the engine sets reaches vLLM. A process of its own: the module's engine above holds this one's
+    distributed state."""
+    import subprocess
+
+    from policy import resolve_dtype
+
+    dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    code = ("import engines, torch; torch.set_num_threads(1); "
+            f"e = engines.VLLMEngine({smollm2_path!r}, max_model_len=1024, kv_cache_tokens=1, dtype={dtype!r}, "
+            "enforce_eager=True); "
+            "s = e.generate([[1] * 1000], 8, [], temperature=0.0)[0]; print('generated', len(s.ids)); "
+            "import vllm.envs; print('aot', vllm.envs.VLLM_USE_AOT_COMPILE)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # not the rendezvous of the engine above (its port may still be held): the child picks its own
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                            "WORLD_SIZE")}
+    got = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "generated 8" in got.stdout
+    assert "aot False" in got.stdout, "vLLM read the engine's VLLM_USE_AOT_COMPILE=0 (set after `import vllm`)"

@@ -553,23 +553,30 @@ def compare(start: dict, end: dict) -> dict:
     """Two results on the same tasks, paired task by task. Each task's score is its mean over its
     samples (the task's Avg@n); tasks missing from either result, or left without a scored sample, are
     left out and counted. The change is the mean of the per-task differences, with a 95% normal
-    interval (1.96 standard errors of that mean); for 0/1 scores the paired counts and a two-sided
-    exact sign test (McNemar's) on the tasks whose outcome changed."""
+    interval (1.96 standard errors of that mean), overall and per category (where the tasks have more
+    than one); for 0/1 scores the paired counts and a two-sided exact sign test (McNemar's) on the
+    tasks whose outcome changed."""
     import math
 
     def per_task(r):
         return {t["item_id"]: sum(t["scores"]) / len(t["scores"]) for t in r["tasks"] if t["scores"]}
 
+    def paired(ids):
+        d = [b[i] - a[i] for i in ids]
+        n = len(d)
+        mean = sum(d) / n if n else 0.0
+        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+        return {"tasks": n, "start": sum(a[i] for i in ids) / max(n, 1), "end": sum(b[i] for i in ids) / max(n, 1),
+                "change": mean, "ci95": [mean - 1.96 * se, mean + 1.96 * se]}
+
     a, b = per_task(start), per_task(end)
     both = sorted(set(a) & set(b), key=str)
-    d = [b[i] - a[i] for i in both]
-    n = len(d)
-    mean = sum(d) / n if n else 0.0
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
     listed = {t["item_id"] for t in start["tasks"]} | {t["item_id"] for t in end["tasks"]}
-    out = {"tasks": n, "left_out": len(listed) - n,
-           "start": sum(a[i] for i in both) / max(n, 1), "end": sum(b[i] for i in both) / max(n, 1),
-           "change": mean, "ci95": [mean - 1.96 * se, mean + 1.96 * se]}
+    out = {**paired(both), "left_out": len(listed) - len(both)}
+    category = {t["item_id"]: t.get("category", "all") for t in start["tasks"]}
+    names = sorted({category[i] for i in both}, key=str)
+    if len(names) > 1:
+        out["by_category"] = {c: paired([i for i in both if category[i] == c]) for c in names}
     if all(a[i] in (0, 1) and b[i] in (0, 1) for i in both):  # one 0/1 sample per task: paired counts
         gained = sum(a[i] == 0 and b[i] == 1 for i in both)
         lost = sum(a[i] == 1 and b[i] == 0 for i in both)
@@ -588,6 +595,10 @@ def print_comparison(c: dict, start: str, end: str) -> None:
     if "gained" in c:
         print(f"  paired: {c['gained']} tasks gained, {c['lost']} lost, {c['both']} solved by both, "
               f"{c['neither']} by neither; sign test p = {c['sign_test_p']:.3f}")
+    for name, row in c.get("by_category", {}).items():
+        lo, hi = row["ci95"]
+        print(f"  {name:<20}{row['tasks']:>4} tasks  {row['start']:.3f} -> {row['end']:.3f}  "
+              f"{100 * row['change']:+6.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}]")
 
 
 if __name__ == "__main__":

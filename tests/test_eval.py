@@ -202,6 +202,23 @@ def test_compare_averages_samples_per_task_and_skips_the_sign_test_for_scores():
     assert c["change"] == pytest.approx(0.25) and "sign_test_p" not in c
 
 
+def test_compare_breaks_the_change_down_by_category(capsys):
+    def res(scores):  # tasks 0-3 category "a", 4-5 category "b"
+        return {"tasks": [{"item_id": i, "category": "a" if i < 4 else "b", "scores": s} for i, s in scores.items()]}
+    start = res({0: [0.0], 1: [0.0], 2: [1.0], 3: [0.0], 4: [1.0], 5: [1.0]})
+    end = res({0: [1.0], 1: [1.0], 2: [1.0], 3: [1.0], 4: [0.0], 5: [1.0]})
+    c = ev.compare(start, end)
+    assert c["change"] == pytest.approx(2 / 6)
+    a, b = c["by_category"]["a"], c["by_category"]["b"]
+    assert (a["tasks"], a["start"], a["end"], a["change"]) == pytest.approx((4, 0.25, 1.0, 0.75))
+    assert (b["tasks"], b["start"], b["end"], b["change"]) == pytest.approx((2, 1.0, 0.5, -0.5))
+    sd = ((3 * 0.25 ** 2 + 0.75 ** 2) / 3) ** 0.5  # category a's differences 1, 1, 0, 1
+    assert a["ci95"] == pytest.approx([0.75 - 1.96 * sd / 2, 0.75 + 1.96 * sd / 2])
+    ev.print_comparison(c, "s.json", "e.json")
+    assert "b                      2 tasks  1.000 -> 0.500   -50.0 points" in capsys.readouterr().out
+    assert "by_category" not in ev.compare(result({1: [0.0]}), result({1: [1.0]}))  # one category: no breakdown
+
+
 def test_compare_from_the_command_line(tmp_path):
     a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
     a.write_text(json.dumps(result({i: [float(i < 3)] for i in range(10)})))

@@ -40,7 +40,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agents import SCHEMES, opens_by_guessing
+from agents import SCHEMES, opens_by_guessing, parse_action
 from cli import (arg, check_device, check_env, check_model, check_positive, check_ranges, cpu_threads, parse_config,
                  read_config, resolve_device, task_lists)
 from distributed import all_gather_list, global_rank, world_size
@@ -521,9 +521,29 @@ def score(cfg: EvalConfig, policy: str, tasks, category, episodes, trajs, second
         per_task[item]["scores"].append(t.reward)
     table = score_table(rows)
     statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
+    played = [t for t in trajs if t.status != "env_error"]
     # n_scored: the n in the avg@n / pass@n keys; below n only when errors removed samples
     return {"config": dataclasses.asdict(cfg), "policy": policy, "n": cfg.n, "n_scored": table.pop("n"), **table,
-            "statuses": statuses, "excluded": excluded, "tasks": list(per_task.values()), "time_s": seconds}
+            "statuses": statuses, "excluded": excluded, "behaviour": behaviour(played),
+            "tasks": list(per_task.values()), "time_s": seconds}
+
+
+def behaviour(trajs: list[Trajectory]) -> dict:
+    """What the episodes look like, in any env: the turns a success took, and the share of the agent's
+    actions that repeat its action before in the same episode (a refused move tried again and again is
+    the commonest way a small model fails). Replies without a valid action break a run of repeats."""
+    wins = [t.turns for t in trajs if is_success(t)]
+    actions = repeats = 0
+    for t in trajs:
+        before = None
+        for m in t.messages[3:]:  # after the opening: instructions, acknowledgement, first observation
+            if m["role"] == "assistant":
+                action = parse_action(t.env, m["content"]).action or None  # "": the reply named no action
+                actions += action is not None
+                repeats += action is not None and action == before
+                before = action
+    return {"turns_per_success": sum(wins) / len(wins) if wins else None,
+            "repeated_actions": repeats / actions if actions else None}
 
 
 def print_table(result: dict) -> None:
@@ -536,6 +556,10 @@ def print_table(result: dict) -> None:
     ex = result["excluded"]
     print(f"statuses {result['statuses']}; excluded: {ex['env_error']} env errors, "
           f"{ex['endpoint_error']} endpoint errors")
+    b = result.get("behaviour", {})
+    if b.get("repeated_actions") is not None:
+        wins = "no success" if b["turns_per_success"] is None else f"{b['turns_per_success']:.1f} turns per success"
+        print(f"episodes: {wins}, {100 * b['repeated_actions']:.0f}% of actions repeat the one before")
 
 
 def pooled(paths: list[str]) -> dict:

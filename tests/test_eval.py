@@ -202,6 +202,30 @@ def test_compare_averages_samples_per_task_and_skips_the_sign_test_for_scores():
     assert c["change"] == pytest.approx(0.25) and "sign_test_p" not in c
 
 
+def test_behaviour_counts_turns_per_success_and_repeated_actions(capsys):
+    from rollout import Trajectory
+
+    def episode(actions, status, reward):
+        replies = [{"role": "assistant", "content": f"Thought: x.\nAction: {a}" if a else "no action here"}
+                   for a in actions]
+        opening = [{"role": "user", "content": "rules"}, {"role": "assistant", "content": "Action: ignored"},
+                   {"role": "user", "content": "first"}]
+        messages = opening + [m for r in replies for m in (r, {"role": "user", "content": "reply"})]
+        return Trajectory("textcraft", 0, 0, messages, [], [], [], turns=len(actions), status=status, reward=reward)
+
+    won = episode(["get 1 log", "craft 4 planks using 1 log"], "done", 1.0)
+    # 5 actions: the 2nd and 3rd repeat the one before; the reply without an action breaks the run
+    lost = episode(["craft 1 door using 6 planks"] * 3 + [None, "craft 1 door using 6 planks", "get 1 log"],
+                   "max_turns", 0.0)
+    b = ev.behaviour([won, lost])
+    assert b["turns_per_success"] == 2 and b["repeated_actions"] == pytest.approx(2 / 7)
+    assert ev.behaviour([lost])["turns_per_success"] is None and ev.behaviour([]) == {
+        "turns_per_success": None, "repeated_actions": None}
+    ev.print_table({"n_scored": 1, "by_category": {}, "overall": {"tasks": 2, "avg@1": 0.5, "pass@1": 0.5},
+                    "statuses": {}, "excluded": {"env_error": 0, "endpoint_error": 0}, "behaviour": b})
+    assert "episodes: 2.0 turns per success, 29% of actions repeat the one before" in capsys.readouterr().out
+
+
 def test_compare_breaks_the_change_down_by_category(capsys):
     def res(scores):  # tasks 0-3 category "a", 4-5 category "b"
         return {"tasks": [{"item_id": i, "category": "a" if i < 4 else "b", "scores": s} for i, s in scores.items()]}

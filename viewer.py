@@ -6,7 +6,8 @@ token by token, and two trajectories of one task side by side.
 Reads what train.py writes into a run folder (README, "Flags and the run folder"): metrics.jsonl for
 the curves and each step's success rate, eval.jsonl for the held-out curve, rollouts/step_*.jsonl for
 the trajectories, and checkpoint/model (or the `model` of config.json, or --tokenizer) for the tokenizer
-of the token view. Without a loadable tokenizer the token view shows token ids.
+of the token view. A folder where eval.py wrote its episodes (eval_rollouts.jsonl) opens too, as one
+step 0: `python viewer.py runs/eval-start runs/eval-end` puts a start and an end side by side. Without a loadable tokenizer the token view shows token ids.
 
 Pages (read-only; runs are addressed by index, steps by number, trajectories by 1-based line number of
 the step file, so no part of a request is ever joined into a file path):
@@ -40,6 +41,7 @@ from env_server.app import guard, make_server
 PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+EVAL_FILE = "eval_rollouts.jsonl"  # eval.py's episodes, beside its --out
 CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("turns_mean", "turns"),
           ("max_turns", "horizon K")]
 LOGGED_CURVES = [("update_kl", "update KL (before || after)"), ("groups_informative", "informative groups")]  # when logged
@@ -51,15 +53,17 @@ LOGGED_CURVES = [("update_kl", "update KL (before || after)"), ("groups_informat
 
 def step_files(run_dir: str) -> dict[int, str]:
     """{step: absolute path} of rollouts/step_*.jsonl, from the file names alone; a link that leads out
-    of the run folder is left out (the viewer serves nothing else)."""
+    of the run folder is left out (the viewer serves nothing else). A folder without them where eval.py
+    wrote its episodes (EVAL_FILE) shows those as step 0."""
     folder = os.path.join(run_dir, "rollouts")
-    if not os.path.isdir(folder):
-        return {}
     out = {}
-    for name in os.listdir(folder):
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
         m = STEP_FILE.match(name)
         if m and inside(run_dir, os.path.join(folder, name)):
             out[int(m.group(1))] = os.path.join(folder, name)
+    evaluated = os.path.join(run_dir, EVAL_FILE)
+    if not out and os.path.isfile(evaluated) and inside(run_dir, evaluated):
+        out[0] = evaluated
     return dict(sorted(out.items()))
 
 
@@ -437,7 +441,8 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run folders written by train.py --out")
+    p.add_argument("runs", nargs="+", help=f"run folders written by train.py --out, or folders where eval.py wrote "
+                                           f"{EVAL_FILE}")
     p.add_argument("--port", type=int, default=8008, help="port to serve on")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (0.0.0.0 exposes the logs to anyone who reaches the port: no authentication)")

@@ -76,6 +76,24 @@ def test_the_run_page_draws_the_held_out_curve_from_eval_jsonl(tmp_path):
     assert ">0.4<" in html and ">0.1<" in html  # the curve's range, read from eval.jsonl
 
 
+def test_an_eval_folder_opens_as_step_0(tmp_path):
+    folder = tmp_path / "eval-end"
+    folder.mkdir()
+    with open(folder / "eval_rollouts.jsonl", "w") as f:
+        for t in (trajectory(3, 0, 1.0, env="textcraft"), trajectory(3, 0, 0.0, status="max_turns", env="textcraft")):
+            f.write(json.dumps({**t, "step": 0}) + "\n")
+    (folder / "result.json").write_text("{}")
+    app = viewer.create_app([str(folder)]).test_client()
+    assert 'href="/run/0/step/0"' in app.get("/run/0").get_data(as_text=True)
+    html = app.get("/run/0/step/0").get_data(as_text=True)
+    assert html.count('href="/run/0/step/0/traj/') >= 2 and "max_turns" in html
+    assert app.get("/run/0/step/0/traj/2").status_code == 200
+    # a run folder's own steps win: its eval_rollouts.jsonl (if any) is not a step
+    run = write_run(tmp_path / "run_x", {1: [trajectory(1, 0, 1.0)]})
+    (tmp_path / "run_x" / "eval_rollouts.jsonl").write_text(json.dumps(trajectory(2, 0, 0.0)) + "\n")
+    assert list(viewer.step_files(str(run))) == [1]
+
+
 def test_bad_and_hostile_requests_are_4xx_never_500(client):
     for url in ["/run/1", "/run/99999999999999999999", "/run/-1", "/run/x", "/run/0/step/4",
                 "/run/0/step/..%2F..", "/run/0/step/../../etc/passwd", "/run/0/step/1/traj/-1",

@@ -127,21 +127,30 @@ def from_run(saved: dict) -> tuple[dict, dict]:
     return saved, skipped
 
 
+def compare_spec_error(spec: str) -> str | None:
+    """What is wrong with a --compare value START[+START2...],END[+END2...], or None: two sides, and every
+    file there and a result of this script."""
+    paths = spec.split(",")
+    if len(paths) != 2:
+        return f"give two result files as START.json,END.json, not {spec!r}"
+    for path in (x for side in paths for x in side.split("+")):
+        if not os.path.isfile(path):
+            return f"no file {path}"
+        try:
+            with open(path) as f:
+                if "tasks" not in json.load(f):
+                    return f"{path} is not a result of eval.py (it has no per-task scores)"
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
+            return f"{path} is not a result of eval.py (not a JSON object)"
+    return None
+
+
 def parse_args(argv=None) -> EvalConfig:
     p, cfg = parse_config(EvalConfig, argv, __doc__, prog="eval.py", adapt=from_run)
     if cfg.compare is not None:
-        paths = cfg.compare.split(",")
-        if len(paths) != 2:
-            p.error(f"--compare: give two result files as START.json,END.json, not {cfg.compare!r}")
-        for path in (x for side in paths for x in side.split("+")):
-            if not os.path.isfile(path):
-                p.error(f"--compare: no file {path}")
-            try:
-                with open(path) as f:
-                    if "tasks" not in json.load(f):
-                        p.error(f"--compare: {path} is not a result of eval.py (it has no per-task scores)")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
-                p.error(f"--compare: {path} is not a result of eval.py (not a JSON object)")
+        wrong = compare_spec_error(cfg.compare)
+        if wrong:
+            p.error(f"--compare: {wrong}")
         return cfg
     if sum(x is not None for x in (cfg.checkpoint, cfg.model, cfg.endpoint)) > 1:
         p.error("give at most one of --checkpoint, --model, --endpoint")

@@ -10,6 +10,11 @@ evaluations, when present: a middle panel) and RUN_DIR/config.json (the label en
 light background bands labelled K=.. for the first run with more than one stage, and dotted vertical
 lines in its colour where another run's horizon changes at different steps. Raw values are drawn faint,
 a trailing moving average over --smooth steps solid. Matplotlib with the Agg backend (no display needed).
+
+    python plot.py --compare s0.json+s1.json,a0.json+a1.json --compare s0.json+s1.json,b0.json --out changes.png
+
+draws instead the paired changes of eval.py --compare (start -> end, 95% interval), overall and per
+category, one colour per --compare.
 """
 
 from __future__ import annotations
@@ -140,20 +145,70 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
     return out
 
 
+def plot_changes(specs: list[str], out: str, labels: list[str] | None = None) -> str:
+    """The paired changes of eval.py --compare, one per START[+..],END[+..] in `specs`, drawn side by side
+    as points with their 95% intervals: overall, then per category (TextCraft's depths)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval import compare, pooled
+
+    changes = [compare(*(pooled(side.split("+")) for side in spec.split(","))) for spec in specs]
+    labels = labels or specs
+    names = ["overall"] + sorted({c for ch in changes for c in ch.get("by_category", {})})
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(names) + 2), 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    width = 0.8 / len(changes)
+    for i, (ch, label) in enumerate(zip(changes, labels)):
+        rows = [(j, ch if name == "overall" else ch.get("by_category", {}).get(name)) for j, name in enumerate(names)]
+        rows = [(j - 0.4 + width * (i + 0.5), r) for j, r in rows if r is not None]
+        ys = [100 * r["change"] for _, r in rows]
+        below = [y - 100 * r["ci95"][0] for y, (_, r) in zip(ys, rows)]
+        above = [100 * r["ci95"][1] - y for y, (_, r) in zip(ys, rows)]
+        ax.errorbar([x for x, _ in rows], ys, yerr=[below, above], fmt="o", capsize=3, color=colors[i % len(colors)],
+                    label=label)
+    ax.axhline(0, color="0.3", linewidth=1)
+    tasks = [changes[0]["tasks"]] + [changes[0].get("by_category", {}).get(n, {}).get("tasks", 0) for n in names[1:]]
+    ax.set_xticks(range(len(names)), [f"{n}\n({t} tasks)" for n, t in zip(names, tasks)])
+    ax.set_ylabel("change, points\n(95% paired interval)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run folders, each with metrics.jsonl")
+    p.add_argument("runs", nargs="*", help="run folders, each with metrics.jsonl")
+    p.add_argument("--compare", action="append", default=None, metavar="START,END",
+                   help="instead of runs: eval.py results compared as eval.py --compare does (each side may pool "
+                        "results with +); repeat it to draw several changes side by side, overall and per category")
     p.add_argument("--out", default=None, help="image file to write (default: curves.png in the first run's folder)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
     a = p.parse_args(argv)
+    if bool(a.runs) == bool(a.compare):
+        p.error("give run folders, or --compare START,END (one or more), not both")
+    drawn = a.compare or a.runs
     labels = a.labels.split(",") if a.labels else None
-    if labels is not None and len(labels) != len(a.runs):
-        p.error(f"--labels has {len(labels)} names for {len(a.runs)} runs")
+    if labels is not None and len(labels) != len(drawn):
+        p.error(f"--labels has {len(labels)} names for {len(drawn)} {'comparisons' if a.compare else 'runs'}")
     if a.smooth < 1:
         p.error("--smooth must be at least 1")
+    if a.compare:
+        from eval import compare_spec_error
+        for spec in a.compare:
+            if compare_spec_error(spec):
+                p.error(f"--compare: {compare_spec_error(spec)}")
+        if not a.out:
+            p.error("--compare needs --out: the image file to write")
     try:
-        out = plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
+        out = plot_changes(a.compare, a.out, labels) if a.compare else \
+            plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
     except ValueError as e:
         sys.exit(f"plot.py: {e}")
     print(f"wrote {out}")

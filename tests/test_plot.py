@@ -153,3 +153,34 @@ def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG" and not os.listdir(elsewhere)
     assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout
+
+
+def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):
+    def result(name, scores):  # task i: category depth_1 for i < 4, else depth_2
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tasks": [{"item_id": i, "category": f"depth_{1 + (i >= 4)}", "scores": s}
+                                              for i, s in enumerate(scores)]}))
+        return str(path)
+
+    s0, s1 = result("s0", [[0.0]] * 4 + [[1.0]] * 4), result("s1", [[1.0]] + [[0.0]] * 3 + [[1.0]] * 4)
+    e0 = result("e0", [[1.0]] * 4 + [[0.0]] * 4)
+    out = tmp_path / "changes.png"
+    seen = []
+    import matplotlib.axes
+    real = matplotlib.axes.Axes.errorbar
+    matplotlib.axes.Axes.errorbar = lambda self, x, y, **k: seen.append((list(x), list(y))) or real(self, x, y, **k)
+    try:
+        plot.main(["--compare", f"{s0}+{s1},{e0}", "--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"])
+    finally:
+        matplotlib.axes.Axes.errorbar = real
+    assert out.stat().st_size > 0
+    # overall, depth_1, depth_2 for each comparison: pooled start 1/8, 0, 0, 0 on depth 1 -> +87.5; depth 2 -> -100
+    assert [round(y, 1) for y in seen[0][1]] == [-6.2, 87.5, -100.0] and seen[1][1] == [0.0, 100.0, -100.0]
+    assert seen[0][0][0] < seen[1][0][0] < 1  # side by side within each category
+    for args, needle in [(["--compare", f"{s0},{e0}"], "needs --out"),
+                         ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)], "not both"),
+                         (["--compare", f"{s0},{tmp_path}/none.json", "--out", str(out)], "no file"),
+                         (["--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"], "2 names for 1"),
+                         ([], "give run folders")]:
+        res = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)

@@ -86,8 +86,9 @@ class EvalConfig:
                       choices=["auto", "hf", "vllm"])
     vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts in ~20 s instead of ~80 s on 2 cores; "
                                   "decodes slower)")
-    vllm_kv_tokens: int = arg(0, "vLLM on a CPU: tokens of KV cache (0: --batch x --max-context, at most a quarter "
-                                 "of RAM); lower it to run two jobs side by side on one machine")
+    vllm_kv_tokens: int = arg(0, "vLLM on a CPU: tokens of KV cache (0: --batch, or the episodes where fewer, x "
+                                 "--max-context, at most a quarter of RAM); lower it to run two jobs side by side "
+                                 "on one machine")
     # Run
     out: str | None = arg(None, "result JSON (default: RUN_DIR/eval_SPLIT.json, else eval_ENV_SPLIT.json)")
     seed: int = arg(0, "seed of sampling")
@@ -385,9 +386,10 @@ def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: Rollout
 
 
 # ---------------------------------------------------------------- the run
-def load_local(cfg: EvalConfig):
+def load_local(cfg: EvalConfig, episodes: int | None = None):
     """(engine, chat format, name, sampling device) for a checkpoint, an HF model, or the built-in tiny
-    model, on the engine --engine names (engines.resolve_engine turns auto into hf or vllm)."""
+    model, on the engine --engine names (engines.resolve_engine turns auto into hf or vllm). vLLM's KV
+    cache is sized for the episodes played at once: --batch, or all `episodes` where fewer."""
     from engines import make_engine, resolve_engine, sampling_device
     from models import resolve
     from policy import load_model, load_tokenizer, pad_id, resolve_dtype
@@ -403,8 +405,9 @@ def load_local(cfg: EvalConfig):
     kind = resolve_engine(cfg.engine, path, device)
     if kind == "vllm":
         dtype = resolve_dtype(cfg.dtype, device)  # vLLM serves real models only: the parameter rule holds
+        at_once = min(cfg.batch, episodes or cfg.batch)
         try:
-            engine = make_engine("vllm", None, path, pad_id(tokenizer), batch=cfg.batch, max_model_len=cfg.max_context,
+            engine = make_engine("vllm", None, path, pad_id(tokenizer), batch=at_once, max_model_len=cfg.max_context,
                                  dtype=str(dtype).removeprefix("torch."), seed=cfg.seed, enforce_eager=cfg.vllm_eager,
                                  kv_cache_tokens=cfg.vllm_kv_tokens)
         except ImportError as e:
@@ -449,7 +452,7 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
         from engines import HFEngine
 
         torch.set_num_threads(cpu_threads(cfg.threads))
-        engine, fmt, name, where = load_local(cfg)
+        engine, fmt, name, where = load_local(cfg, len(episodes))
         generator = torch.Generator(where).manual_seed(cfg.seed)  # where the engine draws its samples
         played_on = "hf" if isinstance(engine, HFEngine) else "vllm"
         policy = EnginePolicy(engine, fmt, rcfg, generator)

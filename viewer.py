@@ -7,7 +7,8 @@ Reads what train.py writes into a run folder (README, "Flags and the run folder"
 the curves and each step's success rate, eval.jsonl for the held-out curve, rollouts/step_*.jsonl for
 the trajectories, and checkpoint/model (or the `model` of config.json, or --tokenizer) for the tokenizer
 of the token view. A folder where eval.py wrote its episodes (eval_rollouts.jsonl) opens too, as one
-step 0: `python viewer.py runs/eval-start runs/eval-end` puts a start and an end side by side. Without a loadable tokenizer the token view shows token ids.
+step 0: `python viewer.py runs/eval-start runs/eval-end` puts a start and an end side by side. Without a
+loadable tokenizer the token view shows token ids.
 
 Pages (read-only; runs are addressed by index, steps by number, trajectories by 1-based line number of
 the step file, so no part of a request is ever joined into a file path):

@@ -345,6 +345,13 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     ev.load_local(cfg)
     want = (2000 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
     assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
+    # without --vllm-kv-tokens: --batch contexts, or the episodes to play where fewer
+    cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16"])
+    for episodes, at_once in ((None, 6), (20, 6), (4, 4)):
+        ev.load_local(cfg, episodes)
+        want = (at_once * 1024 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
+        assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
+        assert fake_cpu_vllm.llms[-1].kwargs["max_num_seqs"] == at_once
 
 
 def test_param_count_reads_safetensors_headers(tmp_path):

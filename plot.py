@@ -201,9 +201,8 @@ def main(argv=None) -> None:
         p.error("--smooth must be at least 1")
     if a.compare:
         from eval import compare_spec_error
-        for spec in a.compare:
-            if compare_spec_error(spec):
-                p.error(f"--compare: {compare_spec_error(spec)}")
+        for wrong in filter(None, map(compare_spec_error, a.compare)):
+            p.error(f"--compare: {wrong}")
         if not a.out:
             p.error("--compare needs --out: the image file to write")
     try:

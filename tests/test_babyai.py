@@ -52,6 +52,26 @@ def test_id_to_level_and_seed(world, env):
     assert (env.detail()["level"], env.detail()["seed"]) == (LEVELS[5], 2)
 
 
+def test_the_real_warm_starts_tasks_hold_every_level_in_equal_shares(world):
+    """SmolLM2's BabyAI SFT recipe takes 400 of the 800 training tasks by level: 10 of each of the 40
+    (an even spread over the ids would keep only the even ids: 20 levels); a smaller count still spreads
+    over as many levels as it can; without `by_category` the even spread stays (the tiny recipe's)."""
+    from collections import Counter
+
+    from warmstart import REAL_WARM_START, WARM_START, recipe_tasks
+
+    train = BabyAIEnv.splits(world)["train"]
+    ids = recipe_tasks("babyai", REAL_WARM_START["babyai"])
+    assert len(ids) == len(set(ids)) == 400 and set(ids) <= set(train) and ids == sorted(ids)
+    per_level = Counter(BabyAIEnv.task_category(world, i) for i in ids)
+    assert set(per_level) == set(LEVELS) and set(per_level.values()) == {10}
+    assert len(set(i % 40 for i in recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "by_category": False}))) == 20
+    few = recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "tasks": 50})
+    assert len(few) == 50 and len({BabyAIEnv.task_category(world, i) for i in few}) == 40
+    assert len(recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "tasks": 0})) == 800
+    assert len(set(i % 40 for i in recipe_tasks("babyai", WARM_START["babyai"]))) == 10
+
+
 @pytest.mark.parametrize("bad", [-1, 40_000, "3", 1.5, True, None])
 def test_reset_rejects_bad_ids(env, bad):
     with pytest.raises(TaskError) as err:

@@ -157,3 +157,27 @@ def test_the_name_works_in_the_three_scripts(smollm2, tmp_path):
     assert json.load(open(tmp_path / "run" / "config.json"))["model"] == "smollm2-135m"
     assert json.load(open(tmp_path / "eval.json"))["policy"] == models.builtin_path("smollm2-135m", CACHE)
     assert os.path.exists(tmp_path / "sft" / "model.safetensors")
+
+
+def test_the_warm_start_builds_for_babyai_too(smollm2, tmp_path):
+    """`--model smollm2-135m-sft --env babyai` builds SmolLM2's BabyAI SFT warm start once (here on 2 tasks,
+    $AGENTGYM_WARM_TASKS, into a cache of its own) from the clean expert of 2 levels, and eval.py plays it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.symlink(smollm2, cache / "smollm2-135m")  # the converted base model; the warm start is built afresh
+    r = subprocess.run([sys.executable, "eval.py", "--env", "babyai", "--model", "smollm2-135m-sft", "--engine", "hf",
+                        "--cache-dir", str(cache), "--limit", "1", "--n", "1", "--max-turns", "1",
+                        "--max-new-tokens", "8", "--threads", "2", "--out", str(tmp_path / "eval.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "AGENTGYM_WARM_TASKS": "2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "building smollm2-135m-sft for babyai" in r.stdout + r.stderr
+    folder = json.load(open(tmp_path / "eval.json"))["policy"]
+    assert os.path.dirname(folder) == str(cache) and "babyai" in os.path.basename(folder)
+    info = json.load(open(os.path.join(folder, "real_warm_start.json")))
+    assert info["tasks"] == info["trajectories"] == 2 and info["expert_success"] == 1.0
+    assert info["recipe"]["by_category"] and len(info["sft_loss"]) == 1  # 2 episodes: one step of 16

@@ -15,6 +15,11 @@ a trailing moving average over --smooth steps solid. Matplotlib with the Agg bac
 
 draws instead the paired changes of eval.py --compare (start -> end, 95% interval), overall and per
 category, one colour per --compare.
+
+    python plot.py --curve 0=s0.json+s1.json,10=a0.json+a1.json,20=b0.json+b1.json --curve 0=...,10=... --out held_out.png
+
+draws held-out curves from eval.py results: one line per --curve, each point a step's success (each side
+may pool results with +), with the 95% paired interval of its change from the curve's first point.
 """
 
 from __future__ import annotations
@@ -86,6 +91,16 @@ def label_of(run_dir: str, config: dict) -> str:
     return f"{config.get('env', '?')} {config.get('algo', '?')} K={config.get('schedule', '?')}"
 
 
+def save_figure(fig, out: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | None = None) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -138,11 +153,7 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
         ax.grid(alpha=0.3)
     axes[0].legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_changes(specs: list[str], out: str, labels: list[str] | None = None) -> str:
@@ -174,11 +185,59 @@ def plot_changes(specs: list[str], out: str, labels: list[str] | None = None) ->
     ax.set_ylabel("change, points\n(95% paired interval)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return save_figure(fig, out)
+
+
+def curve_points(spec: str) -> list[tuple[int, float, float, float]]:
+    """(step, success, low, high) for each STEP=RESULT[+RESULT..] of a --curve: success is the mean over the
+    tasks of each task's mean score; low-high is the first point's success plus the 95% paired interval of
+    the change from it (eval.py --compare), so a point whose bar clears the first point's level moved
+    beyond the noise. The first point's bar has no width."""
+    from eval import compare, pooled
+
+    points = [(int(step), pooled(files.split("+"))) for step, files in (p.split("=", 1) for p in spec.split(","))]
+    out = []
+    for step, result in points:
+        c = compare(points[0][1], result)
+        out.append((step, c["end"], c["start"] + c["ci95"][0], c["start"] + c["ci95"][1]))
     return out
+
+
+def curve_spec_error(spec: str) -> str | None:
+    """What is wrong with a --curve value STEP=RESULT[+..],STEP=RESULT[+..],..., or None."""
+    from eval import compare_spec_error
+
+    parts = [p.split("=", 1) for p in spec.split(",")]
+    if len(parts) < 2 or any(len(p) != 2 or not p[0].isdigit() for p in parts):
+        return f"give two or more points as STEP=RESULT.json[+RESULT2.json],STEP=..., not {spec!r}"
+    steps = [int(p[0]) for p in parts]
+    if steps != sorted(set(steps)):
+        return f"the steps must increase: {spec!r}"
+    return next(filter(None, (compare_spec_error(f"{parts[0][1]},{files}") for _, files in parts[1:])), None)
+
+
+def plot_curves(specs: list[str], out: str, labels: list[str] | None = None) -> str:
+    """Held-out success against step, one line per --curve, with each point's paired interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    curves = [list(zip(*curve_points(spec))) for spec in specs]
+    span = max(max(c[0]) for c in curves) - min(min(c[0]) for c in curves)
+    for i, ((steps, ys, lo, hi), label) in enumerate(zip(curves, labels or specs)):
+        shift = 0.012 * span * (i - (len(specs) - 1) / 2)  # side by side: equal steps' bars do not hide each other
+        color = colors[i % len(colors)]
+        ax.axhline(100 * ys[0], color=color, linestyle="--", linewidth=0.8, alpha=0.6)  # the level a bar must clear
+        ax.errorbar([s + shift for s in steps], [100 * y for y in ys], capsize=3, marker="o", linewidth=2,
+                    yerr=[[100 * (y - a) for y, a in zip(ys, lo)], [100 * (b - y) for y, b in zip(ys, hi)]],
+                    color=color, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out success, %\n(bars: 95% paired interval of the\nchange from the first point)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return save_figure(fig, out)
 
 
 def main(argv=None) -> None:
@@ -187,27 +246,35 @@ def main(argv=None) -> None:
     p.add_argument("--compare", action="append", default=None, metavar="START,END",
                    help="instead of runs: eval.py results compared as eval.py --compare does (each side may pool "
                         "results with +); repeat it to draw several changes side by side, overall and per category")
+    p.add_argument("--curve", action="append", default=None, metavar="STEP=RESULT,STEP=RESULT",
+                   help="instead of runs: a held-out curve from eval.py results (each point may pool results with "
+                        "+), bars the paired interval of the change from its first point; repeat it for more lines")
     p.add_argument("--out", default=None, help="image file to write (default: curves.png in the first run's folder)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
     a = p.parse_args(argv)
-    if bool(a.runs) == bool(a.compare):
-        p.error("give run folders, or --compare START,END (one or more), not both")
-    drawn = a.compare or a.runs
+    if sum(map(bool, (a.runs, a.compare, a.curve))) != 1:
+        p.error("give run folders, --compare START,END or --curve STEP=RESULT,... (one or more), one of the three")
+    drawn = a.compare or a.curve or a.runs
     labels = a.labels.split(",") if a.labels else None
     if labels is not None and len(labels) != len(drawn):
-        p.error(f"--labels has {len(labels)} names for {len(drawn)} {'comparisons' if a.compare else 'runs'}")
+        kind = "comparisons" if a.compare else "curves" if a.curve else "runs"
+        p.error(f"--labels has {len(labels)} names for {len(drawn)} {kind}")
     if a.smooth < 1:
         p.error("--smooth must be at least 1")
     if a.compare:
         from eval import compare_spec_error
         for wrong in filter(None, map(compare_spec_error, a.compare)):
             p.error(f"--compare: {wrong}")
-        if not a.out:
-            p.error("--compare needs --out: the image file to write")
+    for wrong in filter(None, map(curve_spec_error, a.curve or [])):
+        p.error(f"--curve: {wrong}")
+    if (a.compare or a.curve) and not a.out:
+        p.error(f"{'--compare' if a.compare else '--curve'} needs --out: the image file to write")
     try:
-        out = plot_changes(a.compare, a.out, labels) if a.compare else \
-            plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
+        if a.runs:
+            out = plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
+        else:
+            out = (plot_changes if a.compare else plot_curves)(drawn, a.out, labels)
     except ValueError as e:
         sys.exit(f"plot.py: {e}")
     print(f"wrote {out}")

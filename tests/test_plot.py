@@ -178,9 +178,37 @@ def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path)
     assert [round(y, 1) for y in seen[0][1]] == [-6.2, 87.5, -100.0] and seen[1][1] == [0.0, 100.0, -100.0]
     assert seen[0][0][0] < seen[1][0][0] < 1  # side by side within each category
     for args, needle in [(["--compare", f"{s0},{e0}"], "needs --out"),
-                         ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)], "not both"),
+                         ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)], "one of the three"),
                          (["--compare", f"{s0},{tmp_path}/none.json", "--out", str(out)], "no file"),
                          (["--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"], "2 names for 1"),
                          ([], "give run folders")]:
+        res = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
+
+
+def test_held_out_curves_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):
+    def result(name, scores):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tasks": [{"item_id": i, "scores": s} for i, s in enumerate(scores)]}))
+        return str(path)
+
+    s0, s1 = result("s0", [[0.0], [0.0], [1.0], [0.0]]), result("s1", [[0.0], [0.0], [1.0], [1.0]])
+    a, b = result("a", [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]), result("b", [[1.0]] * 4)
+    # start: per task 0, 0, 1, 0.5 -> 37.5%; a: 0.5, 0, 1, 1 -> 62.5%, changes 0.5, 0, 0, 0.5 (se 0.144)
+    points = plot.curve_points(f"0={s0}+{s1},10={a},20={b}")
+    assert [(s, round(100 * y, 1)) for s, y, _, _ in points] == [(0, 37.5), (10, 62.5), (20, 100.0)]
+    assert points[0][2] == points[0][3] == points[0][1]  # the first point: no bar
+    assert [round(100 * x, 1) for x in points[1][2:]] == [34.2, 90.8]  # 37.5 + 25 -/+ 1.96 * 14.43
+    out = tmp_path / "curve.png"
+    plot.main(["--curve", f"0={s0}+{s1},10={a},20={b}", "--curve", f"0={s0},20={b}", "--out", str(out),
+               "--labels", "seed 0,seed 1"])
+    assert out.stat().st_size > 0
+    for args, needle in [(["--curve", f"0={s0},10={a}"], "needs --out"),
+                         (["--curve", f"0={s0}", "--out", str(out)], "two or more points"),
+                         (["--curve", f"x={s0},10={a}", "--out", str(out)], "two or more points"),
+                         (["--curve", f"10={s0},0={a}", "--out", str(out)], "must increase"),
+                         (["--curve", f"0={s0},10={tmp_path}/none.json", "--out", str(out)], "no file"),
+                         (["--curve", f"0={s0},10={a}", "--compare", f"{s0},{a}", "--out", str(out)],
+                          "one of the three")]:
         res = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)

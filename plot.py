@@ -233,6 +233,7 @@ def plot_curves(specs: list[str], out: str, labels: list[str] | None = None) -> 
         ax.errorbar([s + shift for s in steps], [100 * y for y in ys], capsize=3, marker="o", linewidth=2,
                     yerr=[[100 * (y - a) for y, a in zip(ys, lo)], [100 * (b - y) for y, b in zip(ys, hi)]],
                     color=color, label=label)
+    ax.set_xticks(sorted({s for c in curves for s in c[0]}))
     ax.set_xlabel("step")
     ax.set_ylabel("held-out success, %\n(bars: 95% paired interval of the\nchange from the first point)")
     ax.grid(alpha=0.3)

@@ -266,12 +266,13 @@ def test_an_env_addr_serving_another_game_is_refused(tmp_path):
 
 
 def test_the_shipped_configs_are_the_runs_they_name():
-    """configs/textcraft-smollm2.json is the real-model demonstration's run (docs/real_model.md): it parses,
-    the settings the plan fixed hold after the real-model defaults, and its 34 tasks are training tasks."""
+    """configs/textcraft-smollm2.json is the real-model headline's run, the third vLLM plan
+    (docs/real_model.md): it parses, the settings the plan fixed hold after the real-model defaults, and
+    its 34 tasks are training tasks."""
     from env_server.textcraft import load_builtin_world
 
     cfg = train.parse_args(["--config", os.path.join(ROOT, "configs", "textcraft-smollm2.json")])
-    plan = dict(env="textcraft", model="smollm2-135m-sft", schedule="10", steps=20, batch_size=8, group_size=4,
+    plan = dict(env="textcraft", model="smollm2-135m-sft", schedule="10", steps=10, batch_size=8, group_size=4,
                 lr=3e-6, warmup_steps=0, mini_batch_size=8, kl_coef=0.001, max_update_kl=0.01, dynamic_sampling=True,
                 max_resample=1, max_new_tokens=128, max_context=8192, algo="grpo", temperature=1.0)
     assert {k: getattr(cfg, k) for k in plan} == plan

@@ -34,7 +34,11 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         return 0, 1, torch.device(device)
     dev = torch.device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= gpus:  # NCCL would fail deep inside init_process_group on a GPU that is not there
+            raise SystemExit(f"torchrun: {int(os.environ.get('LOCAL_WORLD_SIZE', world))} processes on this node but "
+                             f"{gpus} GPU(s): use --nproc-per-node {gpus} or less, or --device cpu (gloo)")
+        dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     # Ranks wait for each other at every gather: the slowest rank's rollout (or rank 0 building the
     # warm start) must fit in the timeout.

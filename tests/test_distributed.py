@@ -48,6 +48,20 @@ def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
     assert train.parse_args(["--env", "corridor", "--batch-size", "4", "--mini-batch-size", "2"]).batch_size == 4
 
 
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU node with --device auto/cuda: a line naming the fix, before
+    NCCL fails deep in init_process_group (it did on a real H100)."""
+    from distributed import init_distributed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("RANK", "1")):
+        monkeypatch.setenv(k, v)
+    for device in ("auto", "cuda"):
+        with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\): use --nproc-per-node 1 or "
+                                             r"less, or --device cpu"):
+            init_distributed(device)
+
+
 @pytest.mark.parametrize("mode", algos.AGG_MODES)
 def test_micro_weights_add_up_to_the_global_loss(mode):
     """Rows spread unevenly over 2 ranks and cut into micro-batches (one rank holding none): the sum over
@@ -190,7 +204,8 @@ def test_torchrun_two_ranks_then_one_process_resumes(tmp_path, cache_dir):
     out = str(tmp_path / "run")
     common = ["train.py", "--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
               "--threads", "1", "--schedule", "2,3", "--schedule-every", "1", "--algo", "ppo", "--kl-coef", "0.01",
-              "--eval-every", "2", "--eval-tasks", "4", "--out", out, "--cache-dir", cache_dir]
+              "--eval-every", "2", "--eval-tasks", "4", "--out", out, "--cache-dir", cache_dir,
+              "--device", "cpu"]  # gloo ranks also where a GPU is (auto would put both ranks on CUDA)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     r = subprocess.run([*torchrun, *common, "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -161,7 +161,9 @@ def test_the_name_works_in_the_three_scripts(smollm2, tmp_path):
 
 def test_the_warm_start_builds_for_babyai_too(smollm2, tmp_path):
     """`--model smollm2-135m-sft --env babyai` builds SmolLM2's BabyAI SFT warm start once (here on 2 tasks,
-    $AGENTGYM_WARM_TASKS, into a cache of its own) from the clean expert of 2 levels, and eval.py plays it."""
+    $AGENTGYM_WARM_TASKS, into a cache of its own) from the clean expert of 2 levels, and eval.py plays it.
+    The build runs in a child process (models.build_in_child), so the memory its SFT held is free again for
+    the engine that plays: eval.py's own peak stays below the builder's."""
     import subprocess
     import sys
 
@@ -170,12 +172,18 @@ def test_the_warm_start_builds_for_babyai_too(smollm2, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     os.symlink(smollm2, cache / "smollm2-135m")  # the converted base model; the warm start is built afresh
-    r = subprocess.run([sys.executable, "eval.py", "--env", "babyai", "--model", "smollm2-135m-sft", "--engine", "hf",
-                        "--cache-dir", str(cache), "--limit", "1", "--n", "1", "--max-turns", "1",
-                        "--max-new-tokens", "8", "--threads", "2", "--out", str(tmp_path / "eval.json")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "AGENTGYM_WARM_TASKS": "2"})
+    argv = ["eval.py", "--env", "babyai", "--model", "smollm2-135m-sft", "--engine", "hf", "--cache-dir", str(cache),
+            "--limit", "1", "--n", "1", "--max-turns", "1", "--max-new-tokens", "8", "--threads", "2",
+            "--out", str(tmp_path / "eval.json")]
+    peaks = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path('eval.py', "
+             "run_name='__main__')\nfinally:\n    print('peak KB', *(resource.getrusage(w).ru_maxrss for w in "
+             "(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))")
+    r = subprocess.run([sys.executable, "-c", peaks, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "AGENTGYM_WARM_TASKS": "2"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "building smollm2-135m-sft for babyai" in r.stdout + r.stderr
+    own, children = map(int, r.stdout.split("peak KB")[-1].split())
+    assert own < children, (own, children)  # the SFT (fp32 weights, AdamW: over 2 GB) ran in the child
     folder = json.load(open(tmp_path / "eval.json"))["policy"]
     assert os.path.dirname(folder) == str(cache) and "babyai" in os.path.basename(folder)
     info = json.load(open(os.path.join(folder, "real_warm_start.json")))

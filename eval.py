@@ -22,7 +22,8 @@ whose every sample failed is left out of the averages. Categories come from the 
 envs without one (e.g. a remote WebArena) get a single category "all".
 
 Writes OUT (JSON: config, per-task scores, overall and per-category avg@n / pass@n, status counts,
-excluded errors) and OUT_DIR/eval_rollouts.jsonl (the trajectories, in the rollout log format), and
+excluded errors) and OUT's name with .rollouts.jsonl for .json (the trajectories, in the rollout log
+format; `viewer.py OUT` replays them), so evaluations written into one folder keep their own, and
 prints a table. While it plays, each chunk of --batch episodes goes to OUT.partial.jsonl as it ends: the
 same command after a cut plays only the chunks left, from the seeds the uncut run would have used. `held_out` is train.py's evaluation during a run: one sample per test task, split
 across torchrun's ranks.
@@ -206,6 +207,11 @@ FREE_TO_CHANGE = ("out", "threads", "curriculum", "endpoint_workers", "endpoint_
 
 def partial_path(out: str) -> str:
     return out + ".partial.jsonl"
+
+
+def rollouts_path(out: str) -> str:
+    """Where the episodes of the evaluation whose result is `out` go: runs/a.json -> runs/a.rollouts.jsonl."""
+    return os.path.splitext(out)[0] + ".rollouts.jsonl"
 
 
 def play_settings(cfg: EvalConfig) -> dict:
@@ -468,8 +474,7 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
     if played:
         print(f"continuing the cut evaluation in {partial_path(cfg.out)}: {len(played)} of {len(episodes)} "
               "episodes played")
-    out_dir = os.path.dirname(os.path.abspath(cfg.out))
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
 
     def seed_chunk(c: int) -> None:
         if not cfg.endpoint:
@@ -486,13 +491,13 @@ def evaluate(cfg: EvalConfig, url: str) -> dict:
                        played=list(played), chunk_done=chunk_done)
     result = score(cfg, name, tasks, category, episodes, trajs, time.time() - t0)
     result["engine"] = "endpoint" if cfg.endpoint else played_on  # what --engine auto chose
-    write_log(os.path.join(out_dir, "eval_rollouts.jsonl"), 0, cfg.max_turns, trajs)
+    write_log(rollouts_path(cfg.out), 0, cfg.max_turns, trajs)
     with open(cfg.out, "w") as f:
         json.dump(result, f, indent=2)
     if os.path.exists(partial_path(cfg.out)):
         os.remove(partial_path(cfg.out))
     print_table(result)
-    print(f"wrote {cfg.out} and {os.path.join(out_dir, 'eval_rollouts.jsonl')}")
+    print(f"wrote {cfg.out} and {rollouts_path(cfg.out)}")
     if cfg.curriculum:
         write_curriculum(result, cfg.curriculum)
     return result

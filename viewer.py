@@ -6,9 +6,10 @@ token by token, and two trajectories of one task side by side.
 Reads what train.py writes into a run folder (README, "Flags and the run folder"): metrics.jsonl for
 the curves and each step's success rate, eval.jsonl for the held-out curve, rollouts/step_*.jsonl for
 the trajectories, and checkpoint/model (or the `model` of config.json, or --tokenizer) for the tokenizer
-of the token view. A folder where eval.py wrote its episodes (eval_rollouts.jsonl) opens too, as one
-step 0: `python viewer.py runs/eval-start runs/eval-end` puts a start and an end side by side. Without a
-loadable tokenizer the token view shows token ids.
+of the token view. An evaluation opens too, by its result file, as one step 0: `python viewer.py
+runs/eval-start.json runs/eval-end.json` puts a start and an end side by side (eval.py wrote their episodes
+beside them, as eval-start.rollouts.jsonl; a folder holding an older eval.py's eval_rollouts.jsonl opens as
+well). Without a loadable tokenizer the token view shows token ids.
 
 Pages (read-only; runs are addressed by index, steps by number, trajectories by 1-based line number of
 the step file, so no part of a request is ever joined into a file path):
@@ -42,7 +43,8 @@ from env_server.app import guard, make_server
 PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
-EVAL_FILE = "eval_rollouts.jsonl"  # eval.py's episodes, beside its --out
+EVAL_FILE = "eval_rollouts.jsonl"  # where an older eval.py wrote its episodes, beside its --out
+EVAL_SUFFIX = ".rollouts.jsonl"  # eval.py's episodes now: runs/a.json -> runs/a.rollouts.jsonl
 CURVES = [("success_rate", "training success"), ("reward_mean", "reward"), ("turns_mean", "turns"),
           ("max_turns", "horizon K")]
 LOGGED_CURVES = [("update_kl", "update KL (before || after)"), ("groups_informative", "informative groups")]  # when logged
@@ -55,7 +57,10 @@ LOGGED_CURVES = [("update_kl", "update KL (before || after)"), ("groups_informat
 def step_files(run_dir: str) -> dict[int, str]:
     """{step: absolute path} of rollouts/step_*.jsonl, from the file names alone; a link that leads out
     of the run folder is left out (the viewer serves nothing else). A folder without them where eval.py
-    wrote its episodes (EVAL_FILE) shows those as step 0."""
+    wrote its episodes (EVAL_FILE) shows those as step 0, and so does an evaluation's result file."""
+    if os.path.isfile(run_dir):
+        episodes = os.path.splitext(run_dir)[0] + EVAL_SUFFIX
+        return {0: episodes} if os.path.isfile(episodes) and inside(run_dir, episodes) else {}
     folder = os.path.join(run_dir, "rollouts")
     out = {}
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
@@ -69,8 +74,10 @@ def step_files(run_dir: str) -> dict[int, str]:
 
 
 def inside(run_dir: str, path: str) -> bool:
-    """Whether `path`, links resolved, is in the run folder: the viewer follows no link out of it."""
-    return os.path.realpath(path).startswith(os.path.realpath(run_dir) + os.sep)
+    """Whether `path`, links resolved, is in the run folder (an evaluation's: its result file's folder):
+    the viewer follows no link out of it."""
+    folder = os.path.dirname(run_dir) if os.path.isfile(run_dir) else run_dir
+    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
 
 
 def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
@@ -127,17 +134,18 @@ def summaries_of(path: str) -> tuple[list[dict], int]:
 @functools.lru_cache(maxsize=None)
 def load_tokenizer(run_dir: str, override: str | None):
     """(tokenizer or None, where it came from or why none loaded). Tried in order: --tokenizer, the run's
-    checkpoint/model, the `model` in config.json."""
+    checkpoint/model, the `model` in config.json; for an evaluation, the `policy` its result names."""
     candidates = [override] if override else []
     candidates.append(os.path.join(run_dir, "checkpoint", "model"))
-    cfg_path = os.path.join(run_dir, "config.json")
+    evaluation = os.path.isfile(run_dir)
+    cfg_path = run_dir if evaluation else os.path.join(run_dir, "config.json")
     if os.path.isfile(cfg_path) and inside(run_dir, cfg_path):
         with open(cfg_path) as f:
             try:
-                model = json.load(f).get("model")
+                model = json.load(f).get("policy" if evaluation else "model")
             except (ValueError, AttributeError):
                 model = None
-        if model:
+        if isinstance(model, str) and model:
             candidates.append(model)
     reasons = []
     for c in candidates:
@@ -291,8 +299,11 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
     no DNS-rebinding page (env_server.app.guard)."""
     runs = [os.path.abspath(d) for d in run_dirs]
     for d in runs:
-        if not os.path.isdir(d):
-            raise ValueError(f"{d}: not a folder")
+        if os.path.isfile(d) and not step_files(d):
+            raise ValueError(f"{d}: not a run folder, and no evaluation's episodes beside it "
+                             f"({os.path.basename(os.path.splitext(d)[0] + EVAL_SUFFIX)})")
+        if not os.path.exists(d):
+            raise ValueError(f"{d}: no such folder or file")
     app = guard(Flask(__name__), host)
     app.jinja_env.filters["num"] = num
 
@@ -442,8 +453,8 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help=f"run folders written by train.py --out, or folders where eval.py wrote "
-                                           f"{EVAL_FILE}")
+    p.add_argument("runs", nargs="+", help="run folders written by train.py --out, or eval.py's result files "
+                                           "(their episodes beside them)")
     p.add_argument("--port", type=int, default=8008, help="port to serve on")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (0.0.0.0 exposes the logs to anyone who reaches the port: no authentication)")

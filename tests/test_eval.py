@@ -56,7 +56,7 @@ def test_checkpoint_eval_matches_hand_count(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "overall" in out.stdout and "avg@2" in out.stdout
     res = json.load(open(res_path))
-    with open(os.path.join(run, "eval_rollouts.jsonl")) as f:
+    with open(os.path.join(run, "eval.rollouts.jsonl")) as f:  # named after --out
         trajs = [json.loads(x) for x in f]
     assert len(trajs) == 8 and all(t["status"] in ("done", "max_turns") for t in trajs)
     assert all(t["turns"] <= 6 for t in trajs)
@@ -119,7 +119,7 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
     first = seen[0]
     assert first["model"] == "fake" and first["messages"][0]["content"] == agents.opening_messages("corridor", "x")[0]["content"]
     assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user"]
-    with open(tmp_path / "eval_rollouts.jsonl") as f:
+    with open(tmp_path / "ep.rollouts.jsonl") as f:
         trajs = [json.loads(x) for x in f]
     assert len(trajs) == 12 and all(t["messages"][3]["content"] == "Action: right" for t in trajs)
 
@@ -351,7 +351,7 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
     assert again["tasks"] == whole["tasks"] and again["statuses"] == whole["statuses"]
 
     def rows(folder):
-        with open(tmp_path / folder / "eval_rollouts.jsonl") as f:
+        with open(tmp_path / folder / "r.rollouts.jsonl") as f:
             return [(t["item_id"], t["token_ids"], t["logprobs"]) for t in map(json.loads, f)]
     assert rows("cut") == rows("whole")  # the last chunk sampled from its own seed, as in the uncut run
     assert not os.path.exists(ev.partial_path(out))

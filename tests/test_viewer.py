@@ -76,18 +76,34 @@ def test_the_run_page_draws_the_held_out_curve_from_eval_jsonl(tmp_path):
     assert ">0.4<" in html and ">0.1<" in html  # the curve's range, read from eval.jsonl
 
 
-def test_an_eval_folder_opens_as_step_0(tmp_path):
-    folder = tmp_path / "eval-end"
+def test_an_evaluation_opens_as_step_0(tmp_path):
+    # eval.py --out runs/start.json and --out runs/end.json: one folder, each its own episodes
+    folder = tmp_path / "runs"
     folder.mkdir()
-    with open(folder / "eval_rollouts.jsonl", "w") as f:
-        for t in (trajectory(3, 0, 1.0, env="textcraft"), trajectory(3, 0, 0.0, status="max_turns", env="textcraft")):
-            f.write(json.dumps({**t, "step": 0}) + "\n")
-    (folder / "result.json").write_text("{}")
-    app = viewer.create_app([str(folder)]).test_client()
+    for name, rewards in (("start", (1.0, 0.0)), ("end", (1.0, 1.0, 0.0))):
+        with open(folder / f"{name}.rollouts.jsonl", "w") as f:
+            for r in rewards:
+                t = trajectory(3, 0, r, status="done" if r else "max_turns", env="textcraft")
+                f.write(json.dumps({**t, "step": 0}) + "\n")
+        (folder / f"{name}.json").write_text(json.dumps({"policy": str(tmp_path / "no-model")}))
+    app = viewer.create_app([str(folder / "start.json"), str(folder / "end.json")]).test_client()
     assert 'href="/run/0/step/0"' in app.get("/run/0").get_data(as_text=True)
-    html = app.get("/run/0/step/0").get_data(as_text=True)
-    assert html.count('href="/run/0/step/0/traj/') >= 2 and "max_turns" in html
-    assert app.get("/run/0/step/0/traj/2").status_code == 200
+    for r, n in ((0, 2), (1, 3)):
+        html = app.get(f"/run/{r}/step/0").get_data(as_text=True)
+        assert html.count(f'href="/run/{r}/step/0/traj/') == n and "max_turns" in html
+    page = app.get("/run/1/step/0/traj/3").get_data(as_text=True)
+    assert "no-model" in page  # the tokenizer was looked for where the result says the policy was
+    assert app.get("/run/1/step/0/traj/4").status_code == 404
+    (folder / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="other.rollouts.jsonl"):  # a result without its episodes
+        viewer.create_app([str(folder / "other.json")])
+    with pytest.raises(ValueError, match="no such folder or file"):
+        viewer.create_app([str(folder / "gone.json")])
+    # a folder where an older eval.py wrote eval_rollouts.jsonl still opens
+    old = tmp_path / "eval-old"
+    old.mkdir()
+    (old / "eval_rollouts.jsonl").write_text(json.dumps({**trajectory(3, 0, 1.0), "step": 0}) + "\n")
+    assert list(viewer.step_files(str(old))) == [0]
     # a run folder's own steps win: its eval_rollouts.jsonl (if any) is not a step
     run = write_run(tmp_path / "run_x", {1: [trajectory(1, 0, 1.0)]})
     (tmp_path / "run_x" / "eval_rollouts.jsonl").write_text(json.dumps(trajectory(2, 0, 0.0)) + "\n")
@@ -173,7 +189,7 @@ def test_a_trajectory_page_reads_only_up_to_its_line(tmp_path):
 def test_cli_rejects_a_missing_folder(tmp_path):
     res = subprocess.run([sys.executable, "viewer.py", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
-    assert res.returncode == 2 and "not a folder" in res.stderr
+    assert res.returncode == 2 and "nope: no such folder or file" in res.stderr
 
 
 def test_a_taken_port_is_one_line(tmp_path):

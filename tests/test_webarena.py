@@ -135,7 +135,7 @@ def test_eval_against_the_webarena_protocol(tmp_path, webarena_url, tasks_file, 
         assert res["statuses"]["done"] == 3
     else:  # every reply is refused client-side; the browser is never stepped and nothing is won
         assert res["overall"]["pass@1"] == 0.0 and res["statuses"]["max_turns"] == 3
-        with open(tmp_path / "eval_rollouts.jsonl") as f:
+        with open(tmp_path / "wa.rollouts.jsonl") as f:
             t = json.loads(f.readline())
         assert t["messages"][4]["content"] == WEBARENA_NO_ACTION
 

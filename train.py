@@ -103,6 +103,9 @@ class Config:
     dynamic_sampling: bool | None = arg(None, "replace groups whose trajectories all scored the same by fresh tasks, so "
                                               "that every update sees informative groups (default: on with --model)")
     max_resample: int = arg(2, "dynamic sampling: at most this many extra rollout rounds per step")
+    resample: str = arg("fresh", "dynamic sampling: what a tied group's round plays: fresh (new tasks in its place, "
+                                 "DAPO) or extend (its own task again, --group-size more samples merged into the "
+                                 "group: more signal from tasks the policy rarely solves)", choices=["fresh", "extend"])
     grad_checkpointing: bool = arg(False, "recompute activations in the backward (less memory, ~30% slower)")
     # Agent (agents.py)
     agent: str = arg("react", "agent scheme (agents.SCHEMES): react (Thought/Action), plan (plan first, then act), "
@@ -207,6 +210,8 @@ def parse_args(argv=None) -> Config:
         cfg.max_update_kl = 0.01 if real else 0.0
     if cfg.dynamic_sampling is None:
         cfg.dynamic_sampling = real and world == 1
+    if cfg.resample == "extend" and not cfg.dynamic_sampling:
+        p.error("--resample extend is a kind of dynamic sampling, which is off: add --dynamic-sampling")
     if cfg.mini_batch_size is None and real:
         cfg.mini_batch_size = max(world, cfg.batch_size * cfg.group_size // 4 // world * world)
     return cfg
@@ -381,17 +386,30 @@ def play(run: Run, step: int) -> tuple[list[Trajectory], list[Trajectory], dict]
 
 
 def resample(run: Run, trajs: list[Trajectory], play_groups) -> tuple[list[Trajectory], list[Trajectory]]:
-    """Dynamic sampling (DAPO): the groups whose scores all tie are dropped and fresh tasks are played in
-    their place, up to --max-resample extra rounds, so that the update sees --batch-size informative
-    groups (fewer when the rounds run out). Returns (the trajectories to train on, the extra ones played)."""
+    """Dynamic sampling: groups whose scores all tie carry no signal, so up to --max-resample extra rounds
+    are played until the update sees --batch-size informative groups (fewer when the rounds run out).
+    --resample fresh (DAPO) drops a tied group and plays a fresh task in its place, under a new group id;
+    --resample extend plays the tied group's own task --group-size more times under the same id, so that a
+    task solved 1 time in 8 still shows its win. Returns (the trajectories to train on, the extra ones)."""
     cfg = run.cfg
     keep = informative_groups(trajs)
     kept = [t for t in trajs if t.group in keep]
+    tied = {t.group: t for t in trajs if t.group not in keep}  # extend: the groups still tied
     extra, next_group = [], max(t.group for t in trajs) + 1
     for _ in range(cfg.max_resample):
         missing = cfg.batch_size - len({t.group for t in kept})
-        if missing <= 0:
+        if missing <= 0 or (cfg.resample == "extend" and not tied):
             break
+        if cfg.resample == "extend":
+            ids = sorted(tied)
+            got = play_groups([tied[g].item_id for g in ids for _ in range(cfg.group_size)],
+                              [g for g in ids for _ in range(cfg.group_size)])
+            extra += got
+            grown = [t for t in trajs + extra if t.group in tied]
+            keep = informative_groups(grown)
+            kept += [t for t in grown if t.group in keep]
+            tied = {g: t for g, t in tied.items() if g not in keep}
+            continue
         fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
         item_ids, groups = rank_items(fresh, len(fresh), cfg.group_size)
         got = play_groups(item_ids, [next_group + g for g in groups])

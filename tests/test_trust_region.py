@@ -118,9 +118,35 @@ def test_dynamic_sampling_stops_after_max_resample_rounds():
     assert rounds == [3, 3, 3] and {t.group for t in kept} == {0} and len(extra) == 18
 
 
-def test_a_run_with_dynamic_sampling_trains_on_informative_groups_only(tmp_path):
+def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
+    """--resample extend: a tied group's task is played --group-size more times under the same group id;
+    the grown group trains once it is informative, and a group still tied is extended again, up to
+    --max-resample rounds. No fresh task is drawn."""
+    cfg = train.parse_args(["--env", "corridor", "--batch-size", "3", "--group-size", "2", "--max-resample", "2",
+                            "--dynamic-sampling", "--resample", "extend"])
+    run = SimpleNamespace(cfg=cfg, data_rng=None, train_ids=list(range(100)))  # drawing a task would fail
+    played = []
+
+    def play_groups(item_ids, groups):  # task 7 is won on its second round, task 9 never
+        played.append(list(zip(item_ids, groups)))
+        return [traj(g, float(item == 7 and len(played) == 1 and i == 0), item)
+                for i, (item, g) in enumerate(zip(item_ids, groups))]
+
+    first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9), traj(2, 0.0, 9)]
+    kept, extra = train.resample(run, first, play_groups)
+    assert played == [[(7, 1), (7, 1), (9, 2), (9, 2)], [(9, 2), (9, 2)]]
+    assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]  # group 1 grew to 4 and trains; group 2 stays out
+    assert len(extra) == 6 and rollout.informative_groups(kept) == {0, 1}
+    with pytest.raises(SystemExit):  # extend is a kind of dynamic sampling
+        train.parse_args(["--env", "corridor", "--no-dynamic-sampling", "--resample", "extend"])
+    assert "--resample extend is a kind of dynamic sampling" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["fresh", "extend"])
+def test_a_run_with_dynamic_sampling_trains_on_informative_groups_only(tmp_path, mode):
     out = tmp_path / "run"
-    r = run_train([*TINY, "--steps", "2", "--dynamic-sampling", "--max-resample", "1", "--out", str(out)])
+    r = run_train([*TINY, "--steps", "2", "--dynamic-sampling", "--max-resample", "1", "--resample", mode,
+                   "--out", str(out)])
     assert r.returncode == 0, r.stderr[-2000:]
     for m in metrics(out):
         assert m["trained_groups"] <= 2 and "resampled_groups" in m

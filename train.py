@@ -394,29 +394,25 @@ def resample(run: Run, trajs: list[Trajectory], play_groups) -> tuple[list[Traje
     cfg = run.cfg
     keep = informative_groups(trajs)
     kept = [t for t in trajs if t.group in keep]
-    tied = {t.group: t for t in trajs if t.group not in keep}  # extend: the groups still tied
+    tied = {t.group: t.item_id for t in trajs if t.group not in keep}  # group -> its task
     extra, next_group = [], max(t.group for t in trajs) + 1
     for _ in range(cfg.max_resample):
         missing = cfg.batch_size - len({t.group for t in kept})
-        if missing <= 0 or (cfg.resample == "extend" and not tied):
+        if missing <= 0 or not tied:
             break
-        if cfg.resample == "extend":
-            ids = sorted(tied)
-            got = play_groups([tied[g].item_id for g in ids for _ in range(cfg.group_size)],
-                              [g for g in ids for _ in range(cfg.group_size)])
-            extra += got
-            grown = [t for t in trajs + extra if t.group in tied]
-            keep = informative_groups(grown)
-            kept += [t for t in grown if t.group in keep]
-            tied = {g: t for g, t in tied.items() if g not in keep}
-            continue
-        fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
-        item_ids, groups = rank_items(fresh, len(fresh), cfg.group_size)
-        got = play_groups(item_ids, [next_group + g for g in groups])
-        next_group += len(fresh)
-        extra += got
-        keep = informative_groups(got)
-        kept += [t for t in got if t.group in keep]
+        if cfg.resample == "extend":  # the tied groups' own tasks again, under their own ids
+            groups = [g for g in sorted(tied) for _ in range(cfg.group_size)]
+            item_ids = [tied[g] for g in groups]
+        else:
+            fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
+            item_ids, groups = rank_items(fresh, len(fresh), cfg.group_size)
+            groups, next_group = [next_group + g for g in groups], next_group + len(fresh)
+        extra += play_groups(item_ids, groups)
+        played = [t for t in trajs + extra if t.group in groups]  # a grown group: both its rounds
+        keep = informative_groups(played)
+        kept += [t for t in played if t.group in keep]
+        if cfg.resample == "extend":  # (fresh: a new task is drawn each round while groups are missing)
+            tied = {t.group: t.item_id for t in played if t.group not in keep}
     return kept, extra
 
 

@@ -119,7 +119,7 @@ class ExpertPolicy:
 def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
                         max_turns: int = 30, variants: int = 1, thoughts: bool = True, guess: float = 0.0,
                         guess_turns: int = 3, guess_action: str | None = None,
-                        progress: bool = True) -> list[Trajectory]:
+                        progress: bool = True, won_only: bool = False) -> list[Trajectory]:
     """Play each task in-process with the env's expert (ExpertPolicy); one Trajectory per episode, by
     rollout.rollout, episode after episode (one random stream, in a fixed order). Status and reward as
     in any rollout: `done` with the step's reward, else `max_turns`. With `variants` v > 1, envs whose
@@ -127,7 +127,8 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
 
     With `guess` g > 0 a guesser plays a share g of all the returned episodes (after the expert's, on the
     tasks in shuffled turn), each `guess_turns` turns long (ExpertPolicy's `guesser`): a model cloned on
-    the mix opens an episode with the guesser's habit with probability about g."""
+    the mix opens an episode with the guesser's habit with probability about g. With `won_only` the expert's
+    episodes it did not win are left out (BabyAI's bot loses about one in ten within 30 turns)."""
     from env_server import get_env_class
 
     assert 0.0 <= noise <= 1.0, f"noise is a probability, got {noise}"
@@ -151,9 +152,10 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noi
             policy = ExpertPolicy(pool, env_name, fmt, rng, noise, thoughts, guesser, guess_action)
             cfg = RolloutConfig(max_turns=guess_turns if guesser else max_turns, max_context=1 << 30,
                                 check_template=False)
-            trajs += rollout(policy, pool, env_name, [item], [group], cfg, fmt=fmt)
+            played = rollout(policy, pool, env_name, [item], [group], cfg, fmt=fmt)
         finally:
             pool.close()
+        trajs += [t for t in played if guesser or not won_only or is_success(t)]
     return trajs
 
 
@@ -304,10 +306,11 @@ GUESS_KEYS = ("guess", "guess_turns", "guess_action", "guess_epochs", "guess_lr"
 # the recipe measured on SmolLM2-135M-Instruct (docs/real_model.md): all 420 training tasks, 1 epoch,
 # lr 1e-4, 16 trajectories per step. BabyAI's is the same recipe on half its 800 training tasks, spread over
 # the 40 levels (10 each: an even spread of its ids would hold only the even levels, recipe_tasks): the same
-# number of steps (25 of 16) as TextCraft's, each episode a little longer (9.7 expert turns).
+# number of steps (25 of 16) as TextCraft's, each episode a little longer (9.7 expert turns); only the
+# episodes the expert won (`won_only`: its bot loses about 1 in 10 of them within 30 turns, wandering).
 REAL_WARM_START = {
     "textcraft": dict(tasks=0, noise=0.0, epochs=1, lr=1e-4, batch_size=16, thoughts=True),
-    "babyai": dict(tasks=400, by_category=True, noise=0.0, epochs=1, lr=1e-4, batch_size=16),
+    "babyai": dict(tasks=400, by_category=True, noise=0.0, epochs=1, lr=1e-4, batch_size=16, won_only=True),
 }
 
 
@@ -405,7 +408,8 @@ def clone_stage(env: str, base: str, out: str, recipe: dict, epochs: int, lr: fl
     tokenizer, model = load_tokenizer(base), load_model(base, device)
     ids = recipe_tasks(env, recipe)
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed,
-                               thoughts=recipe.get("thoughts", False), **guesser)
+                               thoughts=recipe.get("thoughts", False), won_only=recipe.get("won_only", False),
+                               **guesser)
     losses = sft(model, tokenizer, data, epochs, lr, batch_size=recipe["batch_size"], seed=seed, dtype=dtype)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)

@@ -74,6 +74,11 @@ def test_expert_rows_match_the_chat_template(corridor_model_path):
     capped = warmstart.expert_trajectories("corridor", [4], ChatFormat(load(corridor_model_path)[1]), noise=1.0,
                                      max_turns=3)
     assert capped[0].status == "max_turns" and capped[0].turns == 3 and capped[0].reward == 0.0
+    # won_only: the episode the expert does not win within max_turns (distance 4 in 2 turns) is left out
+    both = warmstart.expert_trajectories("corridor", [0, 5], fmt, max_turns=2)
+    assert [(t.item_id, t.status) for t in both] == [(0, "done"), (5, "max_turns")]
+    won = warmstart.expert_trajectories("corridor", [0, 5], fmt, max_turns=2, won_only=True)
+    assert [(t.item_id, t.status) for t in won] == [(0, "done")]
 
 
 def test_the_guesser_plays_its_share_of_episodes_and_keeps_guessing(corridor_model_path):

@@ -102,7 +102,8 @@ BUILTINS = {
 
 
 # what a full build of REAL_WARM_START[env] took, for the message before a build
-BUILD_TIMES = {"textcraft": "all 420 TextCraft tasks took 24 minutes on 2 CPU threads, under a minute on one GPU"}
+BUILD_TIMES = {"textcraft": "all 420 TextCraft tasks took 24 minutes on 2 CPU threads, under a minute on one GPU",
+               "babyai": "400 BabyAI tasks took about an hour on 2 CPU threads, 2 minutes on one GPU"}
 
 WARM_SUFFIX = "-sft"  # NAME-sft: the built-in model NAME after its SFT warm start for the env (builtin_warm_path)
 

@@ -38,7 +38,7 @@ Deliberate departures from the original (its behaviour in brackets):
   the level hands the object over, so it was listed there too, and "go to" it was offered].
 - OpenDoorsOrderN4Debug's two-door missions check the second door from the action after the first door
   opened [minigrid checks that toggle against the second part too, strictly, and fails it: these missions,
-  a tenth of the level, could not be won; minigrid's own bot won none (babyai_mends.py)].
+  4 in 5 of the level's tasks, could not be won; minigrid's own bot won none (babyai_mends.py)].
 """
 
 from __future__ import annotations

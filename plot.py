@@ -163,7 +163,7 @@ def plot_changes(specs: list[str], out: str, labels: list[str] | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eval import compare, pooled
+    from paired import compare, pooled
 
     changes = [compare(*(pooled(side.split("+")) for side in spec.split(","))) for spec in specs]
     labels = labels or specs
@@ -193,7 +193,7 @@ def curve_points(spec: str) -> list[tuple[int, float, float, float]]:
     tasks of each task's mean score; low-high is the first point's success plus the 95% paired interval of
     the change from it (eval.py --compare), so a point whose bar clears the first point's level moved
     beyond the noise. The first point's bar has no width."""
-    from eval import compare, pooled
+    from paired import compare, pooled
 
     points = [(int(step), pooled(files.split("+"))) for step, files in (p.split("=", 1) for p in spec.split(","))]
     out = []
@@ -205,7 +205,7 @@ def curve_points(spec: str) -> list[tuple[int, float, float, float]]:
 
 def curve_spec_error(spec: str) -> str | None:
     """What is wrong with a --curve value STEP=RESULT[+..],STEP=RESULT[+..],..., or None."""
-    from eval import compare_spec_error
+    from paired import compare_spec_error
 
     parts = [p.split("=", 1) for p in spec.split(",")]
     if len(parts) < 2 or any(len(p) != 2 or not p[0].isdigit() for p in parts):
@@ -264,7 +264,7 @@ def main(argv=None) -> None:
     if a.smooth < 1:
         p.error("--smooth must be at least 1")
     if a.compare:
-        from eval import compare_spec_error
+        from paired import compare_spec_error
         for wrong in filter(None, map(compare_spec_error, a.compare)):
             p.error(f"--compare: {wrong}")
     for wrong in filter(None, map(curve_spec_error, a.curve or [])):

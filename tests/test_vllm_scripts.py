@@ -14,7 +14,7 @@ import sys
 
 import time
 
-from test_vllm_engine import CACHE, needs_vllm, smollm2_path  # noqa: F401 (a fixture)
+from test_vllm_real import CACHE, needs_vllm, smollm2_path  # noqa: F401 (a fixture)
 
 from conftest import ROOT
 

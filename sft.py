@@ -226,6 +226,8 @@ class Config:
                                          "(e.g. 'check available actions') instead of a fresh wrong one")
     plain_thoughts: bool = arg(False, "expert replies think only 'I will <action>.', not the env's reasoning "
                                       "(TextCraft: the recipes from the goal down to the action)")
+    checked_thoughts: bool = arg(False, "TextCraft: the thought also says of each ingredient whether a listed "
+                                        "command crafts it or it is a base item to get")
     max_turns: int = arg(30, "turns per expert trajectory or sampled episode")
     epochs: int = arg(3, "passes over the data (per iteration in agentevol)")
     lr: float = arg(1e-3, "AdamW learning rate (~1e-5 for 3B-7B models; DPO wants less than SFT)")
@@ -268,6 +270,8 @@ def parse_args(argv=None) -> Config:
         p.error(f"--guess must be a share in [0, 1), got {cfg.guess}")
     if cfg.guess_action and not cfg.guess:
         p.error("--guess-action says what the guesser does: give the guesser a share with --guess")
+    if cfg.checked_thoughts and cfg.plain_thoughts:
+        p.error("--checked-thoughts adds to the env's reasoning, which --plain-thoughts leaves out: give one")
     if cfg.from_log and not os.path.exists(cfg.from_log):
         p.error(f"--from-log: {cfg.from_log} does not exist")
     check_model(p, cfg.model)
@@ -340,7 +344,7 @@ def main(cfg: Config) -> dict:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
         data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
-                                   thoughts=not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns,
+                                   thoughts="checked" if cfg.checked_thoughts else not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns,
                                    guess_action=cfg.guess_action)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data), "dtype": str(dtype).split(".")[-1],
                      "expert_success": sum(map(is_success, data)) / len(data)}

@@ -83,14 +83,15 @@ def wrong_action(env, first_observation: str, expert: str, rng: random.Random) -
 
 class ExpertPolicy:
     """Replies written for the games of a LocalPool: the expert's action (`env.expert_action()`), with
-    its thought where the env has one (`expert_thought`) and `thoughts` is on, else `I will <action>.`.
+    its thought where the env has one (`expert_thought`) and `thoughts` is on (`"checked"`: with its
+    ingredients checked against the listed commands, where the env can), else `I will <action>.`.
     With probability `noise` the action is swapped for a plausible wrong one (wrong_action), which
     thinks only `I will <action>.`. As a `guesser` every reply thinks GUESS_THOUGHT over a wrong
     action, or, with `guess_action`, STALL_THOUGHT over that one action. Reply ids are what the policy
     would sample (fmt.reply_ids); log-probs are 0 (nothing was sampled). None: the expert has no move."""
 
     def __init__(self, pool: LocalPool, env_name: str, fmt: ChatFormat, rng: random.Random, noise: float = 0.0,
-                 thoughts: bool = True, guesser: bool = False, guess_action: str | None = None):
+                 thoughts: bool | str = True, guesser: bool = False, guess_action: str | None = None):
         self.pool, self.env_name, self.fmt, self.rng = pool, env_name, fmt, rng
         self.noise, self.thoughts, self.guesser, self.guess_action = noise, thoughts, guesser, guess_action
 
@@ -107,7 +108,9 @@ class ExpertPolicy:
         elif self.guesser:
             action, thought = wrong_action(env, first, action, self.rng) or action, GUESS_THOUGHT
         else:
-            thought = env.expert_thought(action) if self.thoughts and hasattr(env, "expert_thought") else None
+            thought = None
+            if self.thoughts and hasattr(env, "expert_thought"):
+                thought = env.expert_thought(action, checked=True) if self.thoughts == "checked" else env.expert_thought(action)
             if self.noise > 0 and self.rng.random() < self.noise:
                 if wrong := wrong_action(env, first, action, self.rng):
                     action, thought = wrong, None
@@ -117,7 +120,7 @@ class ExpertPolicy:
 
 
 def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat, noise: float = 0.0, seed: int = 0,
-                        max_turns: int = 30, variants: int = 1, thoughts: bool = True, guess: float = 0.0,
+                        max_turns: int = 30, variants: int = 1, thoughts: bool | str = True, guess: float = 0.0,
                         guess_turns: int = 3, guess_action: str | None = None,
                         progress: bool = True, won_only: bool = False) -> list[Trajectory]:
     """Play each task in-process with the env's expert (ExpertPolicy); one Trajectory per episode, by

@@ -540,10 +540,13 @@ class TextCraftEnv(Env):
             "done": self.done,
         }
 
-    def expert_thought(self, action: str) -> str:
+    def expert_thought(self, action: str, checked: bool = False) -> str:
         """The reasoning behind the expert's `action`: the recipes on the way from the goal down to the
         item it crafts or fetches, each as `<item> using <ingredients>` (the listed command without its
-        leading `craft N`), e.g. `jungle button using 1 jungle planks; jungle planks using 1 jungle log`."""
+        leading `craft N`), e.g. `jungle button using 1 jungle planks; jungle planks using 1 jungle log`.
+        `checked` adds after each recipe what each ingredient is, read off the listed commands: `craft`
+        where one of them makes it (a tag: one of its members), else `get`, e.g. `jungle button using 1
+        jungle planks (jungle planks: craft); jungle planks using 1 jungle log (jungle log: get)`."""
         w = self.world
         m = _CRAFT.match(action) or _GET.match(action)
         target = to_id(_COUNT.match(m[1])[2] if action.startswith("craft") else m[2]) if m else None
@@ -564,8 +567,15 @@ class TextCraftEnv(Env):
         chain = path(self.goal, frozenset()) or []
         if action.startswith("craft") and target in w.expert_recipe:
             chain.append(w.expert_recipe[target])
-        lines = [r.text.split(" ", 2)[2] for r in chain]
+        lines = [r.text.split(" ", 2)[2] + (self._checks(r) if checked else "") for r in chain]
         return "; ".join(lines) + "." if lines else f"I will {action}."
+
+    def _checks(self, recipe: Recipe) -> str:
+        """` (a: craft, b: get)`: whether a listed command makes each of the recipe's ingredients."""
+        made = {to_id(_COUNT.match(_CRAFT.match(c)[1])[2]) for c in self.commands}
+        kinds = [f"{to_name(i.name)}: " + ("craft" if made & set(self.world.tag_members[i.name] if i.is_tag
+                                                              else [i.name]) else "get") for i in recipe.inputs]
+        return f" ({', '.join(kinds)})"
 
     def expert_action(self) -> str | None:
         """The expert's next command from the current inventory (None once done or before reset)."""

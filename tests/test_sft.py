@@ -149,6 +149,10 @@ def test_expert_rows_match_real_chat_templates():
         plain = warmstart.expert_trajectories("textcraft", [0, 1, 2], fmt, thoughts=False)
         assert all(m["content"].startswith("Thought: I will ") for t in plain for m in t.messages[3::2])
         assert [t.turns for t in plain] == [t.turns for t in clean]
+        checked = warmstart.expert_trajectories("textcraft", [0, 1, 2], fmt, thoughts="checked")
+        first = [m["content"].splitlines()[0] for t in checked for m in t.messages[3::2]]
+        assert [t.turns for t in checked] == [t.turns for t in clean] and all(": get" in x for x in first)
+        check_rows(fmt, checked)
     with pytest.raises(ValueError, match="no task variants"):
         warmstart.expert_trajectories("corridor", [0], ChatFormat(toks[0]), variants=2)
 
@@ -268,6 +272,7 @@ def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
     assert tok.chat_template and model.config.vocab_size == len(tok)
     for args, words in [(["--from-log", str(tmp_path / "missing")], "--from-log"), (["--noise", "2"], "--noise"),
                         (["--guess", "1"], "--guess"), (["--guess-action", "wait"], "--guess-action"),
-                        (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode")]:
+                        (["--tasks", "0,999"], "out of range"), (["--mode", "ppo"], "--mode"),
+                        (["--checked-thoughts", "--plain-thoughts"], "--checked-thoughts")]:
         r = run_cli(["--env", "corridor", "--out", str(out), *args])
         assert r.returncode != 0 and words in r.stderr, (args, r.stderr[-500:])

@@ -256,6 +256,36 @@ def test_expert_thought_walks_from_the_goal_to_the_action(world):
             env.step(action)
 
 
+def test_checked_thought_says_which_ingredients_a_listed_command_crafts(world):
+    env, first = start(world, "jungle button")
+    assert env.expert_thought("get 1 jungle log", checked=True) == (
+        "jungle button using 1 jungle planks (jungle planks: craft); jungle planks using 1 jungle log (jungle log: get).")
+    # on a spread of training tasks: each recipe's ingredients, in order, marked `craft` exactly where a
+    # command of the task's own list makes the item or a member of its tag (read here from the text)
+    for idx in TextCraftEnv.splits(world)["train"][::9]:
+        env = TextCraftEnv(world)
+        first = env.reset(idx)
+        made = {line.split(" using ")[0].split(" ", 2)[2] for line in first.splitlines() if line.startswith("craft ")}
+        while not env.done:
+            action = env.expert_action()
+            plain, checked = env.expert_thought(action), env.expert_thought(action, checked=True)
+            parts = checked.rstrip(".").split("; ")
+            assert [p.split(" (")[0] for p in parts] == plain.rstrip(".").split("; "), checked
+            for part in parts:
+                ingredients = [i.split(" ", 1)[1] for i in part.split(" using ")[1].split(" (")[0].split(", ")]
+                marks = dict(m.split(": ") for m in part.split(" (")[1].rstrip(")").split(", "))
+                assert list(marks) == ingredients, part
+                for name, kind in marks.items():
+                    crafted = name in made or any(m.endswith(" " + name) for m in made if name in world_tags(world))
+                    assert kind == ("craft" if crafted else "get"), (part, name)
+            env.step(action)
+
+
+def world_tags(world) -> set:
+    """Tag names as the commands show them ('planks', 'wool'...)."""
+    return {t.split(":", 1)[1].replace("_", " ") for t in world.tags}
+
+
 # ---- splits ----
 def check_splits(world, splits):
     train, test = set(splits["train"]), set(splits["test"])

@@ -344,7 +344,8 @@ def main(cfg: Config) -> dict:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
         data = expert_trajectories(cfg.env, ids, fmt, cfg.noise, cfg.seed, cfg.max_turns,
-                                   thoughts="checked" if cfg.checked_thoughts else not cfg.plain_thoughts, guess=cfg.guess, guess_turns=cfg.guess_turns,
+                                   thoughts="checked" if cfg.checked_thoughts else not cfg.plain_thoughts,
+                                   guess=cfg.guess, guess_turns=cfg.guess_turns,
                                    guess_action=cfg.guess_action)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data), "dtype": str(dtype).split(".")[-1],
                      "expert_success": sum(map(is_success, data)) / len(data)}

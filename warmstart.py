@@ -110,7 +110,8 @@ class ExpertPolicy:
         else:
             thought = None
             if self.thoughts and hasattr(env, "expert_thought"):
-                thought = env.expert_thought(action, checked=True) if self.thoughts == "checked" else env.expert_thought(action)
+                checked = self.thoughts == "checked"  # only envs that can check take the keyword
+                thought = env.expert_thought(action, checked=True) if checked else env.expert_thought(action)
             if self.noise > 0 and self.rng.random() < self.noise:
                 if wrong := wrong_action(env, first, action, self.rng):
                     action, thought = wrong, None

@@ -567,15 +567,16 @@ class TextCraftEnv(Env):
         chain = path(self.goal, frozenset()) or []
         if action.startswith("craft") and target in w.expert_recipe:
             chain.append(w.expert_recipe[target])
-        lines = [r.text.split(" ", 2)[2] + (self._checks(r) if checked else "") for r in chain]
-        return "; ".join(lines) + "." if lines else f"I will {action}."
+        made = {to_id(_COUNT.match(_CRAFT.match(c)[1])[2]) for c in self.commands} if checked else set()
 
-    def _checks(self, recipe: Recipe) -> str:
-        """` (a: craft, b: get)`: whether a listed command makes each of the recipe's ingredients."""
-        made = {to_id(_COUNT.match(_CRAFT.match(c)[1])[2]) for c in self.commands}
-        kinds = [f"{to_name(i.name)}: " + ("craft" if made & set(self.world.tag_members[i.name] if i.is_tag
-                                                              else [i.name]) else "get") for i in recipe.inputs]
-        return f" ({', '.join(kinds)})"
+        def marks(r: Recipe) -> str:  # ` (a: craft, b: get)`: does a listed command make each ingredient?
+            if not checked:
+                return ""
+            return " (" + ", ".join(to_name(i.name) + (": craft" if made.intersection(
+                w.tag_members[i.name] if i.is_tag else [i.name]) else ": get") for i in r.inputs) + ")"
+
+        lines = [r.text.split(" ", 2)[2] + marks(r) for r in chain]
+        return "; ".join(lines) + "." if lines else f"I will {action}."
 
     def expert_action(self) -> str | None:
         """The expert's next command from the current inventory (None once done or before reset)."""

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from env_server.base import TaskError
-from env_server.textcraft import (BOOK_PATH, SPLITS_PATH, TextCraftEnv, build_world, read_datapack,
-                                  read_recipe_book, split_rule, task_commands)
+from env_server.textcraft import TextCraftEnv, task_commands
+from env_server.textcraft_world import BOOK_PATH, SPLITS_PATH, build_world, read_datapack, read_recipe_book, split_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_RECIPES = (os.environ.get("TEXTCRAFT_RECIPES")

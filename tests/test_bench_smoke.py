@@ -1,5 +1,6 @@
 """The bench scripts still run (tiny settings); their numbers are read by people, not asserted."""
 
+import os
 import re
 import subprocess
 import sys
@@ -95,3 +96,44 @@ def test_horizon_comparison_runs_on_corridor(tmp_path):
     assert [m["max_turns"] for m in metrics] == [2, 4]  # ScalingInter-RL: the horizon grew
     assert os.path.getsize(out / "horizons.png") > 10_000 and "| 2,4 |" in open(out / "horizons.md").read()
     assert not os.path.exists(out / "corridor" / "K2-4_s0" / "checkpoint")  # --no-save: metrics only
+
+
+def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
+    """The expert's checked thoughts are right by construction; the same thoughts with every mark flipped
+    are all wrong, and the recipes listed are the expert's chain."""
+    import json
+    from env_server.textcraft import TextCraftEnv
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import first_thoughts
+    world = TextCraftEnv.load_world(None)
+    env = TextCraftEnv(world)
+    flip = {"craft": "get", "get": "craft"}
+    tasks, right, wrong, chains = [], [], [], {}
+    for idx in world.splits["test"][::8]:
+        obs = env.reset(idx)
+        action = env.expert_action()
+        thought = env.expert_thought(action, checked=True)
+        chains[idx] = thought.count(" using ")
+        tasks.append({"item_id": idx, "category": TextCraftEnv.task_category(world, idx)})
+        for rows, text in ((right, thought), (wrong, re.sub(r": (craft|get)", lambda m: ": " + flip[m[1]], thought))):
+            rows.append({"item_id": idx, "messages": [
+                {"role": "user", "content": "You are playing a crafting game."}, {"role": "assistant", "content": "OK."},
+                {"role": "user", "content": obs}, {"role": "assistant", "content": f"Thought: {text}\nAction: {action}"}]})
+    category = {t["item_id"]: t["category"] for t in tasks}
+    good, bad = first_thoughts.summarize(world, right, category), first_thoughts.summarize(world, wrong, category)
+    assert sum(s["episodes"] for s in good.values()) == len(tasks)
+    assert all(s["marks"] > 0 and s["marks_right"] == 1.0 and s["marked"] == 1.0 for s in good.values())
+    assert all(s["marks_right"] == 0.0 for s in bad.values())
+    for cat, s in good.items():
+        ids = [i for i in chains if category[i] == cat]
+        assert abs(s["recipes"] - sum(chains[i] for i in ids) / len(ids)) < 1e-9
+    # the script end to end: a result file and its episodes beside it
+    (tmp_path / "r.json").write_text(json.dumps({"config": {"env": "textcraft"}, "tasks": tasks}))
+    (tmp_path / "r.rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in right))
+    out = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "r.json")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(line.endswith("100%") for line in out.stdout.splitlines()[1:]) and len(out.stdout.splitlines()) > 1
+    missing = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "nope.json")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "nope.json not found" in missing.stderr

@@ -19,11 +19,10 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from env_server.textcraft import TextCraftEnv  # noqa: E402
+from env_server.textcraft import TextCraftEnv, ingredient_kind, listed_outputs  # noqa: E402
 from env_server.textcraft_world import to_id  # noqa: E402
 
 _MARKS = re.compile(r"\(([^()]*)\)")
-_LISTED = re.compile(r"craft [0-9]+ (.*) using ")
 
 
 def first_thought(messages: list[dict]) -> tuple[str, str] | None:
@@ -37,7 +36,7 @@ def first_thought(messages: list[dict]) -> tuple[str, str] | None:
 
 def read_thought(world, observation: str, thought: str) -> tuple[int, int, int]:
     """(recipes listed, marks written, marks right) of one first thought."""
-    made = {to_id(m[1]) for line in observation.splitlines() if (m := _LISTED.match(line))}
+    made = listed_outputs([c for c in observation.splitlines() if c.startswith("craft ") and " using " in c])
     parts = thought.split(";")
     written = right = 0
     for part in parts:
@@ -46,10 +45,8 @@ def read_thought(world, observation: str, thought: str) -> tuple[int, int, int]:
             if ":" not in mark:
                 continue
             item, kind = (x.strip().rstrip(".") for x in mark.split(":", 1))
-            key = to_id(item)
-            members = world.tag_members.get(key) or [i for i, t in world.item_tag.items() if t == key] or [key]
             written += 1
-            right += kind == ("craft" if made.intersection(members) else "get")
+            right += kind == ingredient_kind(world, made, to_id(item))
     return sum(" using " in p for p in parts), written, right
 
 

@@ -114,6 +114,16 @@ def expert_plan(world: World, goal: str, inventory: dict) -> list[str]:
     return [f"get {n} {to_name(item)}" for item, n in gets.items()] + crafts
 
 
+def listed_outputs(commands: list[str]) -> set[str]:
+    """The item ids that the listed crafting commands make."""
+    return {to_id(_COUNT.match(_CRAFT.match(c)[1])[2]) for c in commands}
+
+
+def ingredient_kind(world: World, made: set[str], item: str) -> str:
+    """`craft` where a listed command makes `item` (an item or tag id; a tag: one of its members), else `get`."""
+    return "craft" if made.intersection(world.tag_members.get(item) or [item]) else "get"
+
+
 # ---------------------------------------------------------------------------------------------------
 # The environment
 # ---------------------------------------------------------------------------------------------------
@@ -309,13 +319,12 @@ class TextCraftEnv(Env):
         chain = path(self.goal, frozenset()) or []
         if action.startswith("craft") and target in w.expert_recipe:
             chain.append(w.expert_recipe[target])
-        made = {to_id(_COUNT.match(_CRAFT.match(c)[1])[2]) for c in self.commands} if checked else set()
+        made = listed_outputs(self.commands) if checked else set()
 
         def marks(r: Recipe) -> str:  # ` (a: craft, b: get)`: does a listed command make each ingredient?
             if not checked:
                 return ""
-            return " (" + ", ".join(to_name(i.name) + (": craft" if made.intersection(
-                w.tag_members[i.name] if i.is_tag else [i.name]) else ": get") for i in r.inputs) + ")"
+            return " (" + ", ".join(f"{to_name(i.name)}: {ingredient_kind(w, made, i.name)}" for i in r.inputs) + ")"
 
         lines = [r.text.split(" ", 2)[2] + marks(r) for r in chain]
         return "; ".join(lines) + "." if lines else f"I will {action}."

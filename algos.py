@@ -7,37 +7,39 @@ Shapes (one legend for the whole file):
     T  tokens per row (padded)
     G  group size: copies of one task sampled together (GRPO / RLOO groups share a `group_id`)
     V  vocabulary size
-`loss_mask` (B, T) is 1 exactly on the tokens the policy sampled (assistant turns) and 0 on prompt,
-observation and padding tokens. Masks may be bool, integer or float 0/1. Per-token tensors
-(log-probs, values, rewards) are aligned with the token they belong to.
-
-Dtypes: inputs may be float32 or bfloat16; statistics are computed in float32 and every returned
-tensor (advantages, returns, losses, log-probs, entropies) is float32, because bf16 keeps about three
-significant digits, too few for an importance ratio or a whitened advantage. No function modifies
-its inputs.
+    K  assistant turns per row (padded; GiGPO's step level works per turn, not per token)
+`loss_mask` (B, T) is 1 exactly on the tokens the policy sampled, 0 on prompt, observation and
+padding tokens (bool, integer or float 0/1). Per-token tensors are aligned with their token.
+Inputs may be float32 or bfloat16; statistics and every returned tensor are float32 (bf16's three
+significant digits are too few for an importance ratio or a whitened advantage). No function
+modifies its inputs.
 
 Where this file departs from the papers and from upstream (AgentGym-RL on verl), and why:
-1. Multi-turn credit. GAE and REINFORCE++ run over the sampled tokens of a row only, in order:
-   observation tokens neither receive a return, nor cut or discount the chain, nor supply a bootstrap
-   value. verl's REINFORCE++ (the library AgentGym-RL trains with) resets the running return at every
-   token outside its mask, meant for the padding after EOS; on a multi-turn row that would cut credit
-   at each observation turn. (AgentGym-RL's own loss of credit is departure 2's.)
-2. The outcome reward sits on the row's last *sampled* token (`token_rewards_from_outcome`). Upstream
-   put it on the last token of the row, an observation token, so GAE/REINFORCE++ lost it. The two
-   estimators assert that no reward sits on an unsampled token instead of dropping it silently.
-3. RLOO: a group of one has no other sample to serve as baseline (the formula divides by n - 1 = 0),
-   so its advantage is 0: it adds nothing to the gradient. Upstream refused RLOO at start-up.
-4. GRPO keeps upstream's rule for a group of one (mean 0, std 1, i.e. its advantage is its raw score)
-   for parity with the paper's runs, although it is not zero-mean; prefer group_size >= 2.
-5. `agg_loss`: rows without a sampled token (e.g. dropped trajectories) contribute nothing and are
-   left out of the denominator of the sequence means; upstream's per-sequence mean divided 0 by 0.
-6. `masked_var` with fewer than two tokens returns 0 and `masked_whiten` then keeps the scale at 1
-   rather than multiplying by 1/sqrt(eps) = 1e4.
-7. Log-ratios are clamped to [-20, 20] before `exp` in `policy_loss`, in the k3 estimator and in
-   `tis_weights` (verl does the same), so one extreme token cannot overflow to inf and turn the
-   gradients into NaN.
-8. Whitening (REINFORCE++, GAE) can be left to the caller (`whiten=False`): under torchrun the trainer
-   whitens with the mean and variance of every rank's sampled tokens, as one process would.
+1. Multi-turn credit. GAE and REINFORCE++ run over a row's sampled tokens only, in order:
+   observation tokens neither receive a return, nor cut or discount the chain, nor supply a
+   bootstrap value. verl's REINFORCE++ resets the return at every token outside its mask (meant
+   for the padding after EOS), which on a multi-turn row cuts credit at each observation turn.
+2. The outcome reward sits on the row's last *sampled* token (`token_rewards_from_outcome`).
+   Upstream put it on the row's last token, an observation, where GAE/REINFORCE++ lost it. The two
+   assert that no reward sits on an unsampled token instead of dropping it silently.
+3. RLOO: a group of one has no other sample for a baseline (n - 1 = 0): its advantage is 0.
+   Upstream refused RLOO at start-up.
+4. GRPO keeps upstream's rule for a group of one (mean 0, std 1: its raw score) for parity with
+   the paper's runs, although it is not zero-mean; prefer group_size >= 2.
+5. `agg_loss` leaves rows without a sampled token out of the sequence means (upstream: 0 / 0).
+6. `masked_var` of fewer than two tokens is 0; `masked_whiten` then keeps scale 1, not 1e4.
+7. Log-ratios are clamped to [-20, 20] before `exp` in `policy_loss`, k3 and `tis_weights` (as
+   verl), so one extreme token cannot overflow to inf and turn the gradients into NaN.
+8. Whitening (REINFORCE++, GAE) can be left to the caller (`whiten=False`): under torchrun the
+   trainer whitens over every rank's sampled tokens, as one process would.
+9. GiGPO (`gigpo_advantages`). (a) The anchor state is a key: by default the text of the user
+   message before the turn (`rollout.turn_state_keys`), notes included, so equal texts reached from
+   different true states share an anchor group; a key the env reports replaces it. (b) A turn's
+   reward is its change of the trajectory's reward (`Trajectory.turn_rewards`): 0 for a turn
+   without an env step and, when an agent retries, minus the discarded attempt's reward on the turn
+   that ended it, so a row's turn rewards sum to its outcome. (c) Both levels divide by the group's
+   std plus GRPO's eps (norm_std=False: mean only); the episode level keeps departure 4, the step
+   level gives an anchor group of one 0. (d) gamma is the caller's (trainer: 1; the paper: 0.95).
 """
 
 from __future__ import annotations
@@ -78,10 +80,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8):
-    """(x - mean) / sqrt(var + eps) with mean and unbiased var taken over the selected elements only.
-    shift_mean=False adds the mean back (rescale only). The same affine map is applied to every element,
-    selected or not; multiply by the mask to zero the rest. With fewer than two selected elements the
-    scale is 1 (departure 6)."""
+    """(x - mean) / sqrt(var + eps), mean and unbiased var over the selected elements; the same map
+    applies to every element (multiply by the mask to zero the rest). shift_mean=False adds the
+    mean back. Fewer than two selected elements: scale 1 (departure 6)."""
     x, m = _f32(x), _f32(mask)
     mean, var = masked_mean(x, m), masked_var(x, m)
     scale = torch.where(m.sum() >= 2, torch.rsqrt(var + eps), 1.0)
@@ -91,8 +92,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 # -------------------------------------------------------------------------- outcome advantages (B,)
 def _finite(scores, name: str = "scores") -> torch.Tensor:
-    """The scores as float32, refused when one is NaN or infinite: one such value would turn every
-    advantage of its group (GRPO, RLOO) or the whole batch (whitening) into NaN."""
+    """The scores as float32, refused where one is NaN or infinite: it would turn its whole group
+    (GRPO, RLOO) or batch (whitening) into NaN."""
     s = _f32(scores)
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
@@ -103,13 +104,13 @@ def _finite(scores, name: str = "scores") -> torch.Tensor:
 
 
 def _group_index(group_ids: torch.Tensor):
-    """Map arbitrary group ids (B,) to 0..n_groups-1; returns (index (B,), group size per row (B,))."""
+    """Group ids (B,) -> (index in 0..n_groups-1 (B,), each row's group size (B,))."""
     _, index, counts = torch.unique(torch.as_tensor(group_ids), return_inverse=True, return_counts=True)
     return index, counts[index].float()
 
 
 def _group_mean(scores: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mean of each row's group, broadcast back to the rows (B,). Vectorised with index_add."""
+    """Mean of each row's group, broadcast back to the rows (B,)."""
     sums = torch.zeros(int(index.max()) + 1, device=scores.device).index_add(0, index, scores)
     return sums[index] / n
 
@@ -117,9 +118,8 @@ def _group_mean(scores: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> t
 def grpo_advantages(scores, group_ids, eps: float = 1e-6, norm_std: bool = True) -> torch.Tensor:
     """GRPO (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2), outcome supervision:
         A_i = (s_i - mean_g(s)) / (std_g(s) + eps),   std unbiased, over the G rows of i's group g.
-    norm_std=False only subtracts the mean (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
-    Training"). A group of one uses mean 0 and std 1, as upstream (departure 4). A group whose scores
-    are all equal gets advantage 0. scores (B,), group_ids (B,) -> (B,)."""
+    norm_std=False only subtracts the mean (Dr. GRPO, Liu et al. 2025). A tied group gets 0; a
+    group of one mean 0 and std 1 (departure 4). scores (B,), group_ids (B,) -> (B,)."""
     s = _finite(scores)
     index, n = _group_index(group_ids)
     mean = _group_mean(s, index, n)
@@ -132,10 +132,9 @@ def grpo_advantages(scores, group_ids, eps: float = 1e-6, norm_std: bool = True)
 
 
 def rloo_advantages(scores, group_ids) -> torch.Tensor:
-    """RLOO (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al.
-    2024, "Back to Basics"): each sample's baseline is the mean of the other G - 1 samples of its group,
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): the baseline is the mean of the group's rest,
         A_i = s_i - 1/(G-1) sum_{j != i} s_j = G/(G-1) (s_i - mean_g(s)).
-    A group of one has no other sample: its advantage is 0 (departure 3). scores (B,) -> (B,)."""
+    A group of one gets 0 (departure 3). scores (B,) -> (B,)."""
     s = _finite(scores)
     index, n = _group_index(group_ids)
     adv = n / (n - 1).clamp(min=1) * (s - _group_mean(s, index, n))
@@ -143,12 +142,11 @@ def rloo_advantages(scores, group_ids) -> torch.Tensor:
 
 
 def token_rewards_from_outcome(rewards, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Place each trajectory's outcome reward r_b on its last sampled token (the end of its final
-    action), 0 elsewhere: rewards (B,), loss_mask (B, T) -> (B, T) float32. A row with no sampled
-    token gets no reward (there is no action to credit); such rows carry no loss either."""
+    """Each outcome reward r_b on row b's last sampled token (departure 2), 0 elsewhere; a row with
+    no sampled token gets none. rewards (B,), loss_mask (B, T) -> (B, T) float32."""
     m = torch.as_tensor(loss_mask) > 0  # (B, T)
     positions = torch.arange(m.shape[1], device=m.device).expand_as(m)
-    last = torch.where(m, positions, -1).max(dim=1).values  # (B,) index of the last sampled token, -1 if none
+    last = torch.where(m, positions, -1).max(dim=1).values  # (B,) the last sampled token, or -1
     out = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
     has_token = last >= 0
     rows = torch.arange(m.shape[0], device=m.device)[has_token]
@@ -158,12 +156,11 @@ def token_rewards_from_outcome(rewards, loss_mask: torch.Tensor) -> torch.Tensor
 
 # --------------------------------------------------------------------- per-token advantages (B, T)
 def _compact(mask: torch.Tensor):
-    """Order of the sampled positions of each row, left-aligned: returns (order (B, W), valid (B, W))
-    where W is the largest number of sampled tokens in a row, order[b, k] the position of row b's k-th
-    sampled token, and valid[b, k] whether row b has a k-th sampled token. Gathering with `order`
-    squeezes observation tokens out of a row, so the backward recursions below never see them."""
+    """(order (B, W), valid (B, W)): order[b, k] is the position of row b's k-th sampled token,
+    valid[b, k] whether it has one; W the most sampled tokens in a row. Gathering with `order`
+    squeezes observation tokens out, so the backward recursions below never see them."""
     m = torch.as_tensor(mask) > 0
-    # A stable sort on "is not sampled" keeps the sampled positions first and in their original order.
+    # A stable sort on "is not sampled": the sampled positions first, in their order
     order = torch.sort((~m).to(torch.uint8), dim=1, stable=True).indices
     counts = m.sum(dim=1)
     width = int(counts.max()) if m.numel() else 0
@@ -172,14 +169,13 @@ def _compact(mask: torch.Tensor):
 
 
 def _scatter_back(compact: torch.Tensor, order: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of the gather in `_compact`: put compact[b, k] at position order[b, k], 0 elsewhere."""
+    """Inverse of the gather in `_compact`: compact[b, k] to position order[b, k], 0 elsewhere."""
     return torch.zeros(shape, dtype=compact.dtype, device=compact.device).scatter(1, order, compact)
 
 
 def _reverse_discounted_cumsum(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """y_k = x_k + factor * y_{k+1}, y past the end = 0, along dim 1 of (B, W). factor 1 (the default
-    gamma = lam = 1) is a reversed cumsum; otherwise a loop over W vectorised over B, because the closed
-    form (a reversed cumsum of factor^k x_k divided by factor^k) underflows for long rows."""
+    """y_k = x_k + factor * y_{k+1} along dim 1 of (B, W), y past the end 0. Not the closed form
+    (a reversed cumsum of factor^k x_k / factor^k): it underflows for long rows."""
     if factor == 1.0:
         return x.flip(1).cumsum(1).flip(1)
     out = torch.zeros_like(x)
@@ -196,12 +192,12 @@ def _check_rewards_on_sampled(token_rewards: torch.Tensor, m: torch.Tensor) -> N
         "the last sampled token (token_rewards_from_outcome).")
 
 
-def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"):
+def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0,
+                            whiten: bool = True) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025), over sampled tokens only (departure 1):
         G_t = sum_{k >= t, k sampled} gamma^(#sampled tokens from t to k, exclusive of t) r_k,
         A_t = (G_t - mean(G)) / sqrt(var(G) + 1e-8),  mean/var over all sampled tokens of the batch.
-    Returns run over sampled tokens only (departure 1); 0 where loss_mask is 0. whiten=False returns G
-    unwhitened (departure 8). (B, T) -> (B, T)."""
+    0 where loss_mask is 0; whiten=False returns G (departure 8). (B, T) -> (B, T)."""
     r, m = _f32(token_rewards), torch.as_tensor(loss_mask) > 0
     _check_rewards_on_sampled(r, m)
     order, valid = _compact(m)
@@ -210,43 +206,128 @@ def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0, whiten
     return masked_whiten(returns, m) * m if whiten else returns * m
 
 
-def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True):
-    """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
-    Using Generalized Advantage Estimation"), over the sampled tokens of each row in order:
+def gae_advantages(token_rewards, values, loss_mask, gamma: float = 1.0, lam: float = 1.0,
+                   whiten: bool = True):
+    """GAE (Schulman et al. 2016) over each row's sampled tokens in order (departure 1):
         delta_t = r_t + gamma * V(next sampled token after t, 0 after the last) - V_t
         A_t     = delta_t + gamma * lam * A_(next sampled token)
         R_t     = A_t + V_t   (the critic's target, unwhitened)
-    Advantages are whitened over all sampled tokens of the batch (as in PPO for LLMs, Ouyang et al.
-    2022), unless whiten=False (departure 8); both outputs are 0 where loss_mask is 0, and values there
-    are never read (departure 1).
-    token_rewards, values, loss_mask (B, T) -> (advantages (B, T), returns (B, T))."""
+    A whitened over the batch's sampled tokens unless whiten=False (departure 8); both 0 where
+    loss_mask is 0. token_rewards, values, loss_mask (B, T) -> (advantages, returns) (B, T)."""
     r, v, m = _f32(token_rewards), _f32(values), torch.as_tensor(loss_mask) > 0
     _check_rewards_on_sampled(r, m)
     order, valid = _compact(m)
     r_c = r.gather(1, order) * valid  # (B, W) rewards of the sampled tokens, left-aligned
     v_c = v.gather(1, order) * valid  # (B, W) their values; 0 past each row's last sampled token
-    next_v = torch.cat([v_c[:, 1:], torch.zeros_like(v_c[:, :1])], dim=1)  # value at the next sampled token
+    next_v = torch.cat([v_c[:, 1:], torch.zeros_like(v_c[:, :1])], dim=1)  # at the next sampled
     delta = r_c + gamma * next_v - v_c  # (B, W); 0 on padding, since r, v and next_v are 0 there
     adv = _scatter_back(_reverse_discounted_cumsum(delta, gamma * lam), order, r.shape)  # (B, T)
     returns = (adv + v) * m
     return (masked_whiten(adv, m) if whiten else adv) * m, returns
 
 
+# ------------------------------------------------------------ step-level credit (GiGPO), per turn
+def anchor_index(group_ids, state_keys: list[list[str]]) -> torch.Tensor:
+    """GiGPO's anchor groups: the turns of one group (any row, any turn index) whose state keys
+    (state_keys[b][k]: row b's turn k) are equal; never across groups, where another task may
+    render the same text. -> (B, K) long, one id per anchor group, -1 past a row's turns."""
+    gids = torch.as_tensor(group_ids).tolist()
+    if len(gids) != len(state_keys):
+        raise ValueError(f"{len(state_keys)} rows of state keys for {len(gids)} group ids")
+    K = max((len(keys) for keys in state_keys), default=0)
+    out = torch.full((len(gids), K), -1, dtype=torch.long)
+    ids: dict = {}
+    for b, keys in enumerate(state_keys):
+        for k, key in enumerate(keys):
+            out[b, k] = ids.setdefault((gids[b], key), len(ids))
+    return out
+
+
+def step_advantages(returns, anchors, eps: float = 1e-6, norm_std: bool = True) -> torch.Tensor:
+    """GiGPO's step relative advantage, GRPO's normalisation over anchor groups a:
+        A^S_(b,k) = (G_(b,k) - mean_a(G)) / (std_a(G) + eps),   std unbiased.
+    An anchor group of one gets 0, as in the paper, not GRPO's raw score (departure 9c).
+    returns, anchors (B, K) -> (B, K) float32, 0 where anchors is -1."""
+    G, a = _f32(returns), torch.as_tensor(anchors, device=torch.as_tensor(returns).device)
+    valid = a >= 0
+    out = torch.zeros_like(G)
+    if bool(valid.any()):
+        g, ids = G[valid], a[valid]
+        _, n = _group_index(ids)
+        out[valid] = torch.where(n < 2, 0.0, grpo_advantages(g, ids, eps, norm_std))
+    return out
+
+
+def _turn_reward_matrix(scores: torch.Tensor, n_turns: list[int], turn_rewards, K: int):
+    """r (B, K): row b's reward of each turn, 0 past its last; turn_rewards None: the outcome on
+    the last turn."""
+    r = torch.zeros((len(n_turns), K), dtype=torch.float32)
+    for b, n in enumerate(n_turns):
+        if turn_rewards is None:
+            if n:
+                r[b, n - 1] = scores[b]
+        elif len(turn_rewards[b]) != n:
+            raise ValueError(f"row {b}: {len(turn_rewards[b])} turn rewards for {n} turns")
+        else:
+            r[b, :n] = torch.tensor(turn_rewards[b], dtype=torch.float32)
+    return _finite(r, "turn_rewards")
+
+
+def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[list[str]],
+                     turn_rewards: list[list[float]] | None = None, gamma: float = 0.95,
+                     step_adv_weight: float = 1.0, eps: float = 1e-6, norm_std: bool = True):
+    """GiGPO (Feng et al. 2025): GRPO's episode advantage plus a step one over anchor states,
+        A^E_b     = (s_b - mean_g(s)) / (std_g(s) + eps)                  `grpo_advantages`
+        G_(b,k)   = sum_{j >= k} gamma^(j-k) r_(b,j)                      return from turn k
+        A^S_(b,k) = normalised G_(b,k) within its anchor group            `step_advantages`
+        A_(b,t)   = A^E_b + w * A^S_(b, k(t))   on each sampled token t of turn k(t), 0 elsewhere,
+    w = step_adv_weight, r_(b,j) row b's turn j's reward (departure 9; turn_rewards None: the
+    outcome on the last turn). No repeated state, or w = 0, gives GRPO. scores, group_ids (B,); loss_mask, turn_ids (B, T) (the turn of each sampled
+    token, else -1: rollout.build_batch, shifted as the mask); state_keys[b][k], turn_rewards[b][k]
+    per turn k of row b -> advantages (B, T) float32."""
+    s = _finite(scores)  # first, as every estimator: a NaN score is the error to report
+    if turn_ids is None or state_keys is None:
+        raise ValueError("gigpo needs turn_ids (rollout.build_batch) and state_keys "
+                         "(rollout.turn_state_keys) in AdvantageInputs")
+    m, tid = torch.as_tensor(loss_mask) > 0, torch.as_tensor(turn_ids).long()
+    if tid.shape != m.shape or bool(((tid >= 0) != m).any()):
+        raise ValueError("turn_ids must be >= 0 exactly on the sampled tokens; shift them as the "
+                         "mask (turn_ids[:, 1:] with loss_mask[:, 1:])")
+    n_turns = (tid.max(dim=1).values + 1).tolist() if tid.shape[1] else [0] * tid.shape[0]
+    if n_turns != [len(keys) for keys in state_keys]:
+        raise ValueError(f"turns per row: {n_turns} in turn_ids, {[len(k) for k in state_keys]} "
+                         "in state_keys")
+    s = s.to(tid.device)
+    episode = grpo_advantages(s, group_ids, eps, norm_std).to(tid.device)  # (B,)
+    anchors = anchor_index(group_ids, state_keys).to(tid.device)  # (B, K)
+    r = _turn_reward_matrix(s.cpu(), n_turns, turn_rewards, anchors.shape[1]).to(tid.device)
+    step = step_advantages(_reverse_discounted_cumsum(r, gamma), anchors, eps, norm_std)  # (B, K)
+    # Each turn's step advantage on its sampled tokens; -1 reads column 0, zeroed by the mask
+    per_token = torch.zeros(m.shape, device=m.device)
+    if step.shape[1]:
+        per_token = step.gather(1, tid.clamp(min=0))
+    return (episode[:, None] + step_adv_weight * torch.where(m, per_token, 0.0)) * m
+
+
 # ------------------------------------------------------------------- the estimators, by name
-# train.py's --algo NAME runs ESTIMATORS[NAME]: one function from AdvantageInputs to (advantages (B, T),
-# returns (B, T) or None), 0 off the sampled tokens. An estimator with critic=True gets the critic's values
-# and returns the critic's targets; the trainer then trains a critic (PPO). `register_estimator` adds one
-# from anywhere, a test file included; an unknown name is refused (`estimator`), never run as another.
+# --algo NAME runs ESTIMATORS[NAME]: AdvantageInputs -> (advantages (B, T), returns (B, T) or None),
+# 0 off the sampled tokens. critic=True: it gets the critic's values and returns its targets (PPO).
+# An unknown name is refused (`estimator`), never run as another.
 @dataclass
 class AdvantageInputs:
     scores: torch.Tensor  # (B,) outcome reward of each trajectory
     group_ids: torch.Tensor  # (B,) trajectories with the same id are copies of one task
     mask: torch.Tensor  # (B, T) 1 on sampled tokens (the trainer's shifted loss mask)
-    values: torch.Tensor | None = None  # (B, T) V(prefix) per position, for estimators with critic=True
+    values: torch.Tensor | None = None  # (B, T) V(prefix) per position, for critic=True
     gamma: float = 1.0
     lam: float = 1.0
-    # whitening over every sampled token of the batch; under torchrun the trainer passes one over all ranks
+    # over the batch's sampled tokens; under torchrun the trainer passes one over all ranks
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, m: masked_whiten(x, m) * m
+    # GiGPO's step level (gigpo_advantages): turn_ids (B, T); per row, each turn's key and reward
+    turn_ids: torch.Tensor | None = None
+    state_keys: list[list[str]] | None = None
+    turn_rewards: list[list[float]] | None = None
+    step_adv_weight: float = 1.0
 
     @property
     def token_rewards(self) -> torch.Tensor:
@@ -263,8 +344,7 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_estimator(name: str, critic: bool = False):
-    """Decorator: make `fn(inputs: AdvantageInputs) -> (advantages (B, T), returns (B, T) | None)` the
-    estimator `name` (train.py --algo NAME)."""
+    """Decorator: `fn(inputs: AdvantageInputs) -> (advantages, returns | None)` is --algo `name`."""
     def add(fn):
         ESTIMATORS[name] = Estimator(fn, critic)
         return fn
@@ -277,16 +357,13 @@ def estimator(name: str) -> Estimator:
     return ESTIMATORS[name]
 
 
-@register_estimator("grpo")
+@register_estimator("grpo")  # the group-normalised outcome on every sampled token
 def _grpo(x: AdvantageInputs):
-    """GRPO: the group-normalised outcome on every sampled token of the trajectory."""
     return grpo_advantages(x.scores, x.group_ids)[:, None] * x.mask, None
 
 
-@register_estimator("dr_grpo")
+@register_estimator("dr_grpo")  # without the std; pair with --loss-agg seq_mean_token_sum
 def _dr_grpo(x: AdvantageInputs):
-    """Dr. GRPO: GRPO without the division by the group's std (pair with --loss-agg seq_mean_token_sum,
-    the paper's other half)."""
     return grpo_advantages(x.scores, x.group_ids, norm_std=False)[:, None] * x.mask, None
 
 
@@ -300,25 +377,29 @@ def _reinforce_pp(x: AdvantageInputs):
     return x.whiten(reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, whiten=False), x.mask), None
 
 
-@register_estimator("ppo", critic=True)
+@register_estimator("ppo", critic=True)  # GAE with the critic's values; returns its targets
 def _gae(x: AdvantageInputs):
-    """PPO's: GAE over the sampled tokens with the critic's values; returns are the critic's targets."""
     adv, returns = gae_advantages(x.token_rewards, x.values, x.mask, x.gamma, x.lam, whiten=False)
     return x.whiten(adv, x.mask), returns
 
 
+@register_estimator("gigpo")
+def _gigpo(x: AdvantageInputs):
+    return gigpo_advantages(x.scores, x.group_ids, x.mask, x.turn_ids, x.state_keys, x.turn_rewards,
+                            x.gamma, x.step_adv_weight), None
+
+
 # ---------------------------------------------------------------------------------------- losses
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean"):
-    """Reduce a per-token loss (B, T) to a scalar over the sampled tokens:
-        token_mean:          sum_{b,t} m l / sum_{b,t} m           (every token weighs the same)
-        seq_mean_token_mean: mean_b [ sum_t m l / sum_t m ]        (every trajectory weighs the same;
-                             upstream default)
-        seq_mean_token_sum:  mean_b [ sum_t m l ]                  (Dr. GRPO, Liu et al. 2025)
-    Rows with no sampled token contribute nothing and do not count in the sequence means; if no row
-    has a sampled token the loss is 0 (still attached to the graph, so backward() works)."""
+    """A per-token loss (B, T) as a scalar over the sampled tokens:
+        token_mean:          sum_{b,t} m l / sum_{b,t} m     (every token weighs the same)
+        seq_mean_token_mean: mean_b [ sum_t m l / sum_t m ]  (every trajectory; upstream default)
+        seq_mean_token_sum:  mean_b [ sum_t m l ]            (Dr. GRPO, Liu et al. 2025)
+    Rows without a sampled token count in no mean (departure 5); none at all: 0, still attached to
+    the graph, so backward() works."""
     assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}"
     m = _f32(loss_mask)
-    # where() rather than l * m: an inf or NaN at an unsampled position must not leak into the sum.
+    # where() rather than l * m: an inf or NaN at an unsampled position must not leak into the sum
     masked = torch.where(m > 0, loss_mat.float(), 0.0)  # (B, T)
     if mode == "token_mean":
         return masked.sum() / m.sum().clamp(min=1.0)
@@ -330,29 +411,25 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "seq_m
 
 
 def agg_denominator(loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean") -> float:
-    """What `agg_loss` divides by (before its clamp at 1): the number of sampled tokens for token_mean,
-    the number of rows with a sampled token for the sequence means. A loss over a batch split into parts
-    (micro-batches, ranks) is the sum over parts of agg_loss(part) * agg_denominator(part) / (the sum of
-    agg_denominator over the parts): what the trainer weights each part's gradient by."""
+    """What `agg_loss` divides by (before its clamp at 1): sampled tokens (token_mean), or rows with
+    one. A batch split into parts (micro-batches, ranks) has the loss sum_p agg_loss(p) * d(p) /
+    sum_p d(p), d = agg_denominator: what the trainer weights each part's gradient by."""
     assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}"
     m = _f32(loss_mask)
     return float(m.sum() if mode == "token_mean" else (m.sum(dim=-1) > 0).sum())
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float = 0.2,
-                clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "seq_mean_token_mean",
-                token_weights=None):
-    """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"), per token:
+                clip_high: float = 0.2, dual_clip: float | None = None,
+                agg: str = "seq_mean_token_mean", token_weights=None):
+    """PPO's clipped surrogate (Schulman et al. 2017) per token, with DAPO's separate ranges:
         rho_t = exp(logp_t - logp_old_t)
         L_t   = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)
-    with separate low/high ranges ("clip-higher", Yu et al. 2025, "DAPO"). Optional dual clip (Ye et al.
-    2020, "Mastering Complex Control in MOBA Games with Deep RL"): for A_t < 0 the loss is capped,
-        L_t = min(L_t, -dual_clip * A_t),   dual_clip > 1,
-    so a huge ratio on a bad action cannot dominate the batch. `token_weights` (B, T), e.g. truncated
-    importance weights (`tis_weights`), multiply L_t before aggregation with `agg_loss`.
-    logprobs (with grad), old_logprobs, advantages, loss_mask (B, T) -> (loss, stats); stats holds floats:
-    clip_frac (share of sampled tokens where the clipped term binds), dual_clip_frac, approx_kl
-    (mean of logp_old - logp over sampled tokens, k1), ratio_mean."""
+    Dual clip (Ye et al. 2020; dual_clip > 1): for A_t < 0, L_t = min(L_t, -dual_clip * A_t), so a
+    huge ratio on a bad action cannot dominate. `token_weights` (B, T) (`tis_weights`) multiply L_t
+    before `agg_loss`. logprobs (with grad), old_logprobs, advantages, loss_mask (B, T) -> (loss,
+    stats): clip_frac (share of sampled tokens where the clip binds), dual_clip_frac, approx_kl (k1
+    of logp_old - logp), ratio_mean."""
     assert dual_clip is None or dual_clip > 1.0, f"dual_clip must be > 1, got {dual_clip}"
     logp, old, adv = logprobs.float(), _f32(old_logprobs), _f32(advantages)
     log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # departure 7
@@ -378,12 +455,13 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
     return loss, stats
 
 
-def value_loss(values, old_values, returns, loss_mask, clip: float = 0.2, agg: str = "seq_mean_token_mean"):
-    """Clipped value loss (PPO2 baselines; Schulman et al. 2017; PPO for LLMs in Ziegler et al. 2019):
+def value_loss(values, old_values, returns, loss_mask, clip: float = 0.2,
+               agg: str = "seq_mean_token_mean"):
+    """Clipped value loss (PPO2's baselines; Ziegler et al. 2019 for LLMs):
         V_clip = V_old + clip(V - V_old, -clip, clip)
         L_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)
-    values (with grad), old_values, returns, loss_mask (B, T) -> (loss, stats); stats holds floats:
-    clip_frac (share of sampled tokens where the clipped term binds), values_mean."""
+    values (with grad), old_values, returns, loss_mask (B, T) -> (loss, stats: clip_frac,
+    values_mean)."""
     v, v_old, ret = values.float(), _f32(old_values), _f32(returns)
     v_clipped = v_old + (v - v_old).clamp(-clip, clip)
     err_unclipped, err_clipped = (v - ret) ** 2, (v_clipped - ret) ** 2
@@ -396,17 +474,16 @@ def value_loss(values, old_values, returns, loss_mask, clip: float = 0.2, agg: s
     return loss, stats
 
 
-def kl_penalty(logprobs, ref_logprobs, kind: str = "k3", clamp: float | None = 10.0) -> torch.Tensor:
+def kl_penalty(logprobs, ref_logprobs, kind: str = "k3",
+               clamp: float | None = 10.0) -> torch.Tensor:
     """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL
-    Divergence", http://joschu.net/blog/kl-approx.html), with d = logp - logp_ref:
+    Divergence"), with d = logp - logp_ref:
         k1 ("kl"):                d                      unbiased, high variance, can be negative
         k2 ("mse"):               0.5 d^2                biased, low variance
         k3 ("low_var_kl"):        exp(-d) + d - 1        unbiased, low variance, >= 0
-    As a loss term (the tokens sampled from pi, their log-probs differentiated), k1's gradient is
-    grad log pi, whose expectation under pi is zero: k1 estimates the KL's value but pulls nothing toward
-    the reference on average; k2 and k3 do. k3 is clamped to [-clamp, clamp] (upstream: 10) and its
-    log-ratio to +-20 before exp (departure 7); clamp=None disables the former. Masking is left to the
-    caller (agg_loss). (B, T) -> (B, T)."""
+    As a loss, k1's gradient is grad log pi, zero in expectation under pi: it pulls nothing toward
+    the reference on average; k2 and k3 do. k3 is clamped to [-clamp, clamp] (upstream: 10; None:
+    not) and its log-ratio to +-20 (departure 7). Unmasked (agg_loss masks). (B, T) -> (B, T)."""
     d = logprobs.float() - _f32(ref_logprobs)
     if kind in ("k1", "kl"):
         return d
@@ -420,13 +497,11 @@ def kl_penalty(logprobs, ref_logprobs, kind: str = "k3", clamp: float | None = 1
 
 
 def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training"): the sampler (e.g. vLLM, bf16 kernels) and the trainer assign different
-    probabilities to the same tokens, so the tokens were drawn from pi_sampler, not pi_old. Each token's
-    policy loss is reweighted by the truncated ratio
-        w_t = min(pi_old(y_t) / pi_sampler(y_t), C) = min(exp(logp_old_t - logp_sampler_t), C),
-    a constant (no gradient). old_logprobs: the trainer's log-probs before the update (the PPO ratio's
-    denominator); sampler_logprobs: the rollout's. (B, T) -> (B, T) float32; masking is left to the caller."""
+    """Truncated importance sampling (Yao et al. 2025): the tokens were drawn from the sampler's
+    kernels (vLLM, bf16), not pi_old, so each token's policy loss is weighted by the constant
+        w_t = min(pi_old(y_t) / pi_sampler(y_t), C) = min(exp(logp_old_t - logp_sampler_t), C).
+    old_logprobs: the trainer's before the update; sampler_logprobs: the rollout's. (B, T) -> (B, T)
+    float32, unmasked."""
     assert cap > 0, f"the TIS cap must be positive, got {cap}"
     log_ratio = (_f32(old_logprobs) - _f32(sampler_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(log_ratio).clamp(max=cap).detach()
@@ -434,19 +509,17 @@ def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ from logits (B,T,V)
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(z)[id] = z_id - logsumexp(z): logits (B, T, V), ids (B, T) -> (B, T) float32.
-    The gather comes first, so no (B, T, V) log-softmax is materialised. bf16 logits are upcast to
-    float32 (one float32 copy of the logits) because a bf16 logsumexp is off by ~0.01 nats, which
-    shows up directly in the importance ratio; chunk over rows before calling to bound that copy."""
+    """log softmax(z)[id] = z_id - logsumexp(z): logits (B, T, V), ids (B, T) -> (B, T) float32,
+    without a (B, T, V) log-softmax. In float32 (one copy of the logits: chunk rows to bound it):
+    a bf16 logsumexp is off by ~0.01 nats, which shows directly in the importance ratio."""
     z = logits.float()
     return z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(z) per token: H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v,
-    since log p_v = z_v - logsumexp(z). Stable for any logits scale (softmax and logsumexp subtract the
-    max). logits (B, T, V) -> (B, T) float32; needs softmax(z) and the product p * z as (B, T, V)
-    temporaries, and none of log p. Logits must be finite (a -inf logit would give 0 * -inf = NaN)."""
+    """Entropy per token, H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: stable at any
+    scale, with no (B, T, V) log p. logits (B, T, V), finite (-inf gives 0 * -inf = NaN) -> (B, T)
+    float32."""
     z = logits.float()
     p = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)

@@ -1,9 +1,11 @@
-"""HFEngine: batched sampling with a KV cache on any transformers causal LM, CPU or GPU; the trainer's own
-model generates, so there are no weights to copy after an update. `Sample` is what both engines return
-(engines.py picks one; vllm_engine.py has the other)."""
+"""HFEngine: a plain batched sampler with a KV cache on any transformers causal LM, CPU or GPU.
+The trainer's own model generates, so there are no weights to copy after an update. `Sample` is
+what every engine returns (engines.py picks one; vllm_engine.py has the other; models/fast_hf.py
+is this sampler with the cache kept across turns and finished rows dropped from decoding)."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -17,30 +19,13 @@ class Sample:
 
 
 class HFEngine:
-    """Batched sampling with a KV cache on any transformers causal LM (CPU or GPU).
+    """The prompts left-padded into one block and encoded at once (prefill), then one token per
+    row per model call (decode), earlier positions' keys and values read from the cache. Log-probs
+    are those of the tempered distribution, log softmax(logits / temperature), before top-p
+    truncation: the trainer computes its own the same way, so the PPO ratio is 1 on-policy."""
 
-    Log-probs are those of the tempered distribution, log softmax(logits / temperature), before top-p
-    truncation; the trainer computes its log-probs the same way, so the PPO ratio is 1 on-policy.
-
-    Turns share their conversation so far. With `reuse=True`, a prompt that extends one of the previous
-    call's rows (its prompt and sampled ids) starts from that row's keys and values, so each turn only
-    encodes the new observation instead of the whole conversation again. rollout() asks for this and
-    calls `forget()` at the end; the kept cache is also dropped when the weights change in place (an
-    optimizer step bumps the tensors' version counter) or are synced.
-    """
-
-    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True, compact: bool = True):
-        self.model, self.pad_id, self.max_batch, self.static_cache = model, pad_id, max_batch, static_cache
-        self.compact = compact  # decode only the rows still generating once half of them have stopped
-        self.decoded_rows = 0  # rows computed over all decoding steps (with compaction, fewer than steps x rows)
-        self._kept = None  # the previous call's cache and rows, for reuse=True
-        self.reuse_ok = True  # False once the cache's layout turned out not to be the one _seeded_cache knows
-        self.reused_tokens = self.encoded_tokens = 0  # prompt tokens taken from the kept cache / encoded
-
-    def _keeps_last_logits(self) -> bool:
-        import inspect
-
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+    def __init__(self, model, pad_id: int, max_batch: int = 64):
+        self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
 
     def sync_weights(self, model) -> float:
         self.model = model  # same process, same object: nothing to copy
@@ -48,8 +33,7 @@ class HFEngine:
         return 0.0
 
     def forget(self) -> None:
-        """Drop the cache kept for the next turn."""
-        self._kept = None
+        """Nothing is kept between calls here (FastHFEngine drops its kept cache)."""
 
     def sleep(self) -> None:
         """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
@@ -58,239 +42,81 @@ class HFEngine:
     def wake_up(self) -> None:
         """See sleep."""
 
-    def _weights_version(self) -> tuple:
-        return tuple(p._version for p in self.model.parameters())
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-                 reuse: bool = False) -> list[Sample]:
-        reuse = reuse and self.reuse_ok and self.static_cache
-        kept, self._kept = self._kept, None
-        if not reuse or (kept is not None and kept["version"] != self._weights_version()):
-            kept = None  # not asked for, or the weights changed since: the kept keys and values are stale
-        out, rows = [], []
+                 temperature: float = 1.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
+        """Samples for `prompts`, `max_batch` rows per model call. `reuse` is a hint for engines
+        that keep the conversation's cache between turns; this one encodes every prompt in full."""
+        out = []
         for i in range(0, len(prompts), self.max_batch):
-            got, state = self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids, temperature, top_p,
-                                        generator, kept)
-            out += got
-            rows = rows + state if rows is not None and state is not None else None
-        if reuse and rows is not None:
-            self._kept = {"rows": rows, "version": self._weights_version()}
+            out += self._batch(prompts[i:i + self.max_batch], max_new_tokens, stop_ids,
+                               temperature, top_p, generator)
         return out
 
-    def _static_cache(self, length: int):
-        """transformers' StaticCache of `length` positions, or None (a growing cache) where it fails."""
-        if not self.static_cache:
-            return None
+    def _batch(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator):
+        """One model call over all the prompts (prefill), then one per new token (decode) until
+        every row has sampled a stop id or max_new_tokens; each row cut after its stop id."""
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling
         try:
-            from transformers import StaticCache
-            return StaticCache(config=self.model.config, max_cache_len=length)
-        except Exception:  # an older transformers or a model it does not support
-            self.static_cache = False
-            return None
-
-    @staticmethod
-    def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
-        """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same order, less
-        the finished ones, so a forward scan finds them."""
-        found, j = [], 0
-        for p in prompts:
-            hit = (-1, 0)
-            for k in range(j, len(rows)):
-                seq, valid = rows[k]["seq"], rows[k]["valid"]
-                n = min(valid, len(p) - 1)  # at least one prompt token is encoded: it yields the logits
-                if n > 0 and p[:n] == seq[:n]:
-                    hit, j = (k, n), k + 1
+            ids, attn, pos = left_pad(prompts, self.pad_id, next(self.model.parameters()).device)
+            stop = torch.tensor(stop_ids, device=ids.device)
+            done = torch.zeros(len(prompts), dtype=torch.bool, device=ids.device)
+            # the LM head on the last position only, where the model allows it: the prompt's
+            # other logits are never read, and over a large vocabulary they cost a lot of memory
+            kw = {"logits_to_keep": 1} if keeps_last_logits(self.model) else {}
+            cache, new_ids, new_lps = None, [], []
+            for _ in range(max_new_tokens):
+                o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                               past_key_values=cache, use_cache=True, **kw)
+                cache = o.past_key_values
+                nxt, lp = sample(o.logits[:, -1].float(), temperature, top_p, generator)
+                # a row that has stopped samples pad from then on (cut_at_stop drops it)
+                nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+                new_ids.append(nxt)
+                new_lps.append(lp)
+                done = done | torch.isin(nxt, stop)
+                if bool(done.all()):
                     break
-            found.append(hit)
-        return found
-
-    def _seeded_cache(self, rows: list[dict], hits, starts, length: int, first_slot: int):
-        """A StaticCache of `length` slots holding, for each prompt with a hit, the kept keys and values of
-        its reused tokens at the prompt's own slots; None where the cache's layout is not the one expected
-        (then every prompt is encoded in full)."""
-        try:
-            cache = self._static_cache(length)
-            if cache is None:
-                return None
-            B = len(hits)
-            for layer_i, new_layer in enumerate(cache.layers):
-                for b, (r, n) in enumerate(hits):
-                    if r < 0:
-                        continue
-                    old_layer, src, old_b = rows[r]["cache"].layers[layer_i], rows[r]["start"], rows[r]["b"]
-                    k, v = old_layer.keys, old_layer.values
-                    if not new_layer.is_initialized:
-                        new_layer.lazy_initialization(k[:1].expand(B, -1, -1, -1), v[:1].expand(B, -1, -1, -1))
-                    new_layer.keys[b, :, starts[b]:starts[b] + n] = k[old_b, :, src:src + n]
-                    new_layer.values[b, :, starts[b]:starts[b] + n] = v[old_b, :, src:src + n]
-                if not new_layer.is_initialized:
-                    return None
-                new_layer.cumulative_length.fill_(first_slot)
-            return cache
-        except (AttributeError, TypeError, RuntimeError, IndexError):  # another transformers' cache layout
-            self.reuse_ok = False
-            return None
-
-    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept=None):
-        """One batch: the prompts left-padded into one block (prefill), then one token per row per model
-        call until every row has sampled a stop id (decode), then each row cut after its stop id."""
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            step, cache = self._prefill(prompts, max_new_tokens, kept)
-            new_ids, new_lps = self._decode(step, cache, max_new_tokens, stop_ids, temperature, top_p, generator)
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+                ids, pos = nxt[:, None], pos[:, -1:] + 1
         finally:
-            model.train(was_training)
-        out = self._cut_at_stop(new_ids, new_lps, stop_ids)
-        rows = None
-        if self.static_cache and step["cache"] is not None and hasattr(step["cache"], "layers"):
-            # every id but the last sampled one went through the model: its keys and values are in the cache
-            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": step["cache"], "b": b,
-                     "start": step["starts"][b]} for b, (p, s) in enumerate(zip(prompts, out))]
-        return out, rows
-
-    def _prefill(self, prompts, max_new_tokens, kept):
-        """The first model call's inputs: prompts left-padded so that every row's next token goes at column
-        L, and the cache, seeded with the kept keys and values of reused prefixes when there are any."""
-        device = next(self.model.parameters()).device
-        B, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, L - len(p):] = torch.tensor(p)
-            attn[b, L - len(p):] = 1
-        ids, attn = ids.to(device), attn.to(device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        starts = [L - len(p) for p in prompts]
-        # Encode columns [first, L): all of them, or only those past the longest reused prefix's end.
-        # A row whose reuse ends earlier re-encodes a few of its kept tokens, to the same keys and values.
-        first, cache = 0, None
-        if kept is not None:
-            hits = self._matches(prompts, kept["rows"])
-            first = L - max(len(p) - n for p, (_, n) in zip(prompts, hits))
-            if first > 0:
-                cache = self._seeded_cache(kept["rows"], hits, starts, L + max_new_tokens, first)
-            if cache is None:
-                first = 0
-        if cache is None:
-            # A cache of fixed size written in place: a growing one is re-concatenated at every token, which
-            # costs more than the model itself once prompts are a few thousand tokens long.
-            cache = self._static_cache(L + max_new_tokens)
-        self.reused_tokens += sum(first - s for s in starts if s < first)
-        self.encoded_tokens += sum(L - max(s, first) for s in starts)
-        step = {"ids": ids[:, first:], "pos": pos[:, first:], "attn": attn, "cache": cache, "starts": starts,
-                "cache_pos": torch.arange(first, L, device=device)}
-        return step, cache
-
-    def _decode(self, step, cache, max_new_tokens, stop_ids, temperature, top_p, generator):
-        """Model calls until every row has sampled a stop id or max_new_tokens: (B, n) ids and their
-        sampler log-probs; a row that has stopped samples pad from then on.
-
-        Once half of the rows being computed have stopped, the others go on alone (`_Compacted`: their
-        keys and values move to a smaller cache, and back at the end): a reply that runs to
-        max_new_tokens no longer keeps every finished row in each model call. Sampling still draws for
-        all B rows (a stopped row draws from a uniform row and is discarded), so each row's sampling
-        stream is the one it would have had without compaction."""
-        device = step["ids"].device
-        stop = torch.tensor(stop_ids, device=device)
-        B = step["ids"].shape[0]
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        ids, pos, attn, cache_pos = step["ids"], step["pos"], step["attn"], step["cache_pos"]
-        keep_last = self._keeps_last_logits()
-        new_ids, new_lps = [], []
-        live = _Compacted(cache, B, device) if self.compact and B > 1 else None
-        for _ in range(max_new_tokens):
-            kw = {} if cache is None else {"cache_position": cache_pos}
-            if keep_last:  # the LM head on the last position only: a prompt's other logits are never read,
-                kw["logits_to_keep"] = 1  # and with a 49k-token vocabulary they cost a fifth of a prefill
-            o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                           use_cache=True, **kw)
-            cache = step["cache"] = o.past_key_values
-            cache_pos = cache_pos[-1:] + 1
-            logits = o.logits[:, -1].float()
-            self.decoded_rows += logits.shape[0]
-            if live is not None and live.rows is not None:  # the stopped rows' logits: uniform, then discarded
-                logits = logits.new_zeros(B, logits.shape[-1]).index_copy_(0, live.rows, logits)
-            nxt, lp = _sample(logits, temperature, top_p, generator)
-            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
-            new_ids.append(nxt)
-            new_lps.append(lp)
-            done = done | torch.isin(nxt, stop)
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-            ids, pos = nxt[:, None], pos[:, -1:] + 1
-            if live is not None:
-                ids = ids if live.rows is None else ids[live.rows]
-                ids, pos, attn = live.shrink(done, ids, pos, attn)
-        if live is not None:
-            live.restore()
-        return torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu()
-
-    @staticmethod
-    def _cut_at_stop(new_ids: torch.Tensor, new_lps: torch.Tensor, stop_ids) -> list[Sample]:
-        """Each row's ids up to and including its first stop id (the pads after it dropped)."""
-        stop_set, out = set(stop_ids), []
-        for ids_row, lps_row in zip(new_ids.tolist(), new_lps.tolist()):
-            n = next((t + 1 for t, tok in enumerate(ids_row) if tok in stop_set), len(ids_row))
-            out.append(Sample(ids_row[:n], lps_row[:n], n > 0 and ids_row[n - 1] in stop_set))
-        return out
+            self.model.train(was_training)
+        return cut_at_stop(torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu(), stop_ids)
 
 
-class _Compacted:
-    """The rows of a decoding batch still being computed. `rows` (None: all B) are their indices in the
-    batch; `shrink` drops the stopped ones once they are half of those computed, moving the others'
-    keys and values into a smaller copy of each cache layer; `restore` writes the computed rows back
-    into the full layers (a stopped row's slots after its stop keep what they held: nothing reads them)
-    and puts them back, so that the cache can be kept for the next turn. A cache whose layers hold no
-    `keys`/`values` tensors is never compacted."""
-
-    def __init__(self, cache, B: int, device):
-        self.cache, self.B, self.device = cache, B, device
-        self.rows, self.full = None, None  # full: each layer's (keys, values) of all B rows, once compacted
-
-    def _compactable(self) -> bool:  # read when first needed: a static cache allocates on its first call
-        layers = getattr(self.cache, "layers", None)
-        return bool(layers) and all(isinstance(getattr(x, "keys", None), torch.Tensor) and x.keys.shape[0] == self.B
-                                    and isinstance(getattr(x, "values", None), torch.Tensor) for x in layers)
-
-    def shrink(self, done, ids, pos, attn):
-        rows = self.rows if self.rows is not None else torch.arange(self.B, device=self.device)
-        going = ~done[rows]
-        if int(going.sum()) > len(rows) // 2 or (self.full is None and not self._compactable()):
-            return ids, pos, attn
-        keep = going.nonzero().squeeze(1)
-        layers = self.cache.layers
-        if self.full is None:
-            self.full = [(x.keys, x.values) for x in layers]
-        else:
-            self._write_back()
-        new_rows = rows[keep]
-        for x, (k, v) in zip(layers, self.full):
-            x.keys, x.values = k.index_select(0, new_rows), v.index_select(0, new_rows)
-        self.rows = new_rows
-        return ids[keep], pos[keep], attn[keep]
-
-    def _write_back(self):
-        for x, (k, v) in zip(self.cache.layers, self.full):
-            k.index_copy_(0, self.rows, x.keys)
-            v.index_copy_(0, self.rows, x.values)
-
-    def restore(self):
-        if self.full is None:
-            return
-        self._write_back()
-        for x, (k, v) in zip(self.cache.layers, self.full):
-            x.keys, x.values = k, v
-        self.rows = None
+def keeps_last_logits(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (most of transformers' LMs do)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from fp32 logits (B, V), and its log-prob under log softmax(logits / T), before
-    top-p truncation (the trainer's side computes the same); temperature 0 is greedy."""
+def left_pad(prompts: list[list[int]], pad_id: int, device):
+    """(ids, attention mask, position ids), each (B, L): every prompt ends at column L - 1, so
+    every row's next token goes at column L; positions count from each prompt's first token."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p)
+        attn[b, L - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+
+def cut_at_stop(new_ids: torch.Tensor, new_lps: torch.Tensor, stop_ids) -> list[Sample]:
+    """Each row's ids up to and including its first stop id (the pads after it dropped)."""
+    stop_set, out = set(stop_ids), []
+    for ids_row, lps_row in zip(new_ids.tolist(), new_lps.tolist()):
+        n = next((t + 1 for t, tok in enumerate(ids_row) if tok in stop_set), len(ids_row))
+        out.append(Sample(ids_row[:n], lps_row[:n], n > 0 and ids_row[n - 1] in stop_set))
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float,
+           generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from fp32 logits (B, V), and its log-prob under log softmax(logits / T),
+    before top-p truncation (the trainer's side computes the same); temperature 0 is greedy."""
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, -1)
@@ -300,8 +126,10 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -
         probs = logp.exp()
         if top_p < 1.0:
             probs = _top_p_filter(probs, top_p)
-        if generator is not None and generator.device.type != probs.device.type:  # a CPU generator: slower
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
+        if generator is not None and generator.device.type != probs.device.type:
+            # a CPU generator driving a model elsewhere: draw on the CPU (slower, same stream)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+            nxt = nxt.to(probs.device)
         else:
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)

@@ -1,31 +1,15 @@
-"""Multi-turn rollouts, token in / token out.
+"""Multi-turn rollouts, token in / token out (docs/algorithms.md: the token row, the statuses).
 
-One trajectory = one env instance playing one task for up to K assistant turns. All unfinished
-trajectories reply together, then their envs step together (one batched HTTP call), then each
-observation is appended. The row of token ids of a trajectory is built by appending, never re-encoding:
+All unfinished trajectories reply together, then their envs step together (one batched call). A
+trajectory's row of token ids is built by appending, never re-encoding: the prompt, then per turn
+the sampled ids (loss mask 1, sampler log-probs kept) and the observation turn's ids (mask 0), read
+off the tokenizer's own chat template (`ChatFormat`). So the ids trained on are the ids the sampler
+produced and saw; each turn the row is checked against the template (`Trajectory.template`).
 
-    prompt ids (chat template of the opening messages, with the generation prompt)     loss mask 0
-    + sampled ids of turn 1, ending with the end-of-turn token (sampler log-probs kept) loss mask 1
-    + observation ids (the chat template's rendering of the user turn)                   loss mask 0
-    + sampled ids of turn 2 ... and so on.
-
-So the ids trained on are exactly the ids the sampler produced and saw. Every turn the row is checked
-against the chat template of the messages so far: equal ids (the usual case), or equal text with a
-different but valid tokenization of sampled text (`noncanonical`), or different text (`mismatch`): a
-template that rewrites history (Qwen3 drops earlier <think> blocks; `ChatFormat.prefix_preserving` tells
-in advance), or a tokenizer whose decode/encode is not an exact round trip. A mismatch is reported
-loudly and counted; the row still holds what the policy saw, which is what it is trained on.
-
-Who replies is a policy with one method, `replies(trajectories, slots) -> [Reply]`: `EnginePolicy`
-samples token ids from a generation engine (engines.py); eval.py's chat endpoint and warmstart.py's
-expert write text. The same loop (`rollout`) plays all of them, so prompts, parsing, statuses and rows
-are the same for training, evaluation and demonstrations.
-
-A trajectory's reward is the env's latest step value on the trainer's 0-1 scale (`env_client.train_reward`:
-SciWorld's server scores 0-100, as AgentGym's does, and is divided by 100 here).
-
-Statuses: done, max_turns, context_limit, env_error. An env error drops the trajectory from the loss;
-it is never scored as 0. Success, wherever it is counted, is `is_success`: done with a reward above 0.
+Who replies is a policy with one method, `replies(trajectories, slots) -> [Reply]`: sampled ids
+(`EnginePolicy`), or written text (eval.py's chat endpoint, the warm starts' expert). One loop plays
+them all, so prompts, parsing, statuses and rows are the same for training, evaluation and
+demonstrations. An env error is never a reward: the trajectory is dropped from the loss.
 """
 
 from __future__ import annotations
@@ -33,32 +17,28 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from agents import Move, make_agent, opens_by_guessing
+from env_server.agents import Move, make_agent, opens_by_guessing
 from env_client import EnvError, EnvPool, train_reward
 
 
 # ---------------------------------------------------------------- chat template, as token deltas
 class ChatFormat:
-    """What to append after a sampled reply, read off the tokenizer's own chat template.
-
-    The template is rendered on a fixed dummy conversation [user U, assistant A, user OBS] and the
-    text after "A" is the observation turn: the end-of-turn marker, the user turn, the generation
-    prompt. Its first token is the end-of-turn token the policy samples to end its reply.
-    """
+    """What to append after a sampled reply, read off the tokenizer's own chat template: rendered on
+    [user U, assistant A, user OBS], the text after "A" is the observation turn (end-of-turn marker,
+    user turn, generation prompt); its first token is the end-of-turn token a reply ends with."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; use an instruct/chat model's tokenizer")
+            raise ValueError("the tokenizer has no chat template; use an instruct/chat model's")
         self.tok = tokenizer
         anchor = self.encode(self._after_reply("x"))
         first = anchor[0] if anchor else None
         special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-        # The end-of-turn token: the first token after the reply if it is a special token (<|im_end|>,
-        # <|end|>); otherwise replies end at the tokenizer's eos.
+        # The first token after the reply if it is special (<|im_end|>, <|end|>); else the eos
         self.eot_id = first if first in special else tokenizer.eos_token_id
         self.stop_ids = sorted({i for i in (self.eot_id, tokenizer.eos_token_id) if i is not None})
         self.eot_is_anchor = first in special
@@ -79,26 +59,26 @@ class ChatFormat:
         head = self._render(base[:1], gen=True) + "A"
         full = self._render(base + [{"role": "user", "content": observation}], gen=True)
         if not full.startswith(head):
-            raise ValueError("the chat template does not render an assistant turn as prompt + content; "
-                             "cannot build observation turns from it")
+            raise ValueError("the chat template does not render an assistant turn as prompt + "
+                             "content; cannot build observation turns from it")
         return full[len(head):]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self._render(messages, gen=True))
 
     def reply_ids(self, reply: str) -> list[int]:
-        """A reply written as text (an expert's), as ids the policy would sample: tokenised in place after
-        the generation prompt, as the full template tokenises it (SentencePiece tokenisers encode a
-        text's first word differently at the start of a string), then the end-of-turn token."""
+        """Written text (an expert's) as the ids the policy would sample, then the end-of-turn token:
+        tokenised after the generation prompt, as in the full template (SentencePiece encodes a
+        string's first word differently)."""
         head = self._render([{"role": "user", "content": "U"}], gen=True)
         h, full = self.encode(head), self.encode(head + reply)
         ids = full[len(h):] if full[:len(h)] == h else self.encode(reply)
         return ids + [self.eot_id]
 
     def observation_ids(self, observation: str, reply_ended: bool) -> list[int]:
-        """Ids to append after a reply: the end-of-turn token (unless the policy sampled it), the user
-        turn with `observation`, and the generation prompt. Tokenised with the end-of-turn special token
-        in front, as inside the full template, so boundaries match."""
+        """Ids to append after a reply: the end-of-turn token (unless the policy sampled it), the
+        user turn, the generation prompt; tokenised with the end-of-turn token in front, as inside
+        the full template, so boundaries match."""
         ids = self.encode(self._after_reply(observation))
         if reply_ended and self.eot_is_anchor:
             ids = ids[1:]
@@ -127,10 +107,12 @@ class Trajectory:
     turns: int = 0
     status: str = "running"
     reward: float = 0.0
-    template: str = "exact"  # exact | noncanonical | mismatch (see the module docstring)
+    template: str = "exact"  # one of TEMPLATE_CHECKS
     error: str | None = None
     n_prompt: int = 0  # ids of the opening prompt
     agent: str = "react"  # the scheme that played it (agents.SCHEMES)
+    # each turn's change of `reward`, a retry's reset included: they sum to `reward` (GiGPO's steps)
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -142,13 +124,32 @@ def is_success(t: Trajectory) -> bool:
     return t.status == "done" and t.reward > 0
 
 
+def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[str]:
+    """GiGPO's anchor state of each sampled turn (algos.anchor_index): the user message before it,
+    or `reported`, a key per turn from the env (none reports one yet). The sampled turns are the
+    last `t.turns` assistant messages: the opening may hold an unsampled one (the ack)."""
+    if reported is not None:
+        if len(reported) != t.turns:
+            raise ValueError(f"{len(reported)} reported state keys for {t.turns} turns")
+        return list(reported)
+    replies = [i for i, m in enumerate(t.messages) if m["role"] == "assistant"]
+    replies = replies[len(replies) - t.turns:]
+    assert all(i > 0 and t.messages[i - 1]["role"] == "user" for i in replies), \
+        "every sampled turn follows a user message"
+    return [t.messages[i - 1]["content"] for i in replies]
+
+
+# The row against the template's rendering of its messages, from best to worst: the same ids; the
+# same text, another valid tokenisation of sampled text; other text (a template that rewrites
+# history, e.g. Qwen3 drops earlier <think> blocks). The row keeps what the policy saw.
+TEMPLATE_CHECKS = ("exact", "noncanonical", "mismatch")
+
+
 def check_against_template(fmt: ChatFormat, t: Trajectory) -> str:
-    """exact: the row is the template's ids; noncanonical: same text, another valid tokenisation of
-    sampled text; mismatch: the template renders these messages as other text."""
     text = fmt._render(t.messages, gen=True)
     if fmt.encode(text) == t.token_ids:
         return "exact"
-    decoded = fmt.tok.decode(t.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    decoded = fmt.decode(t.token_ids)
     return "noncanonical" if decoded == text else "mismatch"
 
 
@@ -161,6 +162,13 @@ class RolloutConfig:
     top_p: float = 1.0
     check_template: bool = True  # compare each row to the chat template every turn
 
+    @classmethod
+    def of(cls, cfg, max_turns: int) -> "RolloutConfig":
+        """The one place a script's flags become rollout settings (train.py, eval.py, sft.py)."""
+        return cls(max_turns=max_turns, max_new_tokens=cfg.max_new_tokens,
+                   max_context=getattr(cfg, "max_context", 4096),
+                   temperature=cfg.temperature, top_p=getattr(cfg, "top_p", 1.0))
+
 
 # ---------------------------------------------------------------- who replies
 @dataclass
@@ -172,9 +180,10 @@ class Reply:
 
 
 class EnginePolicy:
-    """Replies sampled by a generation engine (engines.HFEngine, engines.VLLMEngine) from each row."""
+    """Replies sampled from each row by a generation engine (engines.py's interface)."""
 
-    def __init__(self, engine, fmt: ChatFormat, cfg: RolloutConfig, generator: torch.Generator | None = None):
+    def __init__(self, engine, fmt: ChatFormat, cfg: RolloutConfig,
+                 generator: torch.Generator | None = None):
         self.engine, self.fmt, self.cfg, self.generator = engine, fmt, cfg, generator
 
     def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply]:
@@ -190,12 +199,10 @@ class EnginePolicy:
 
 # ---------------------------------------------------------------- the turn loop
 def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-                       agents: list | None = None) -> list[Trajectory]:
-    """Reset pool instance i to task item_ids[i] (fewer tasks than instances: the rest stay idle); one
-    Trajectory each with its agent's opening messages (default: react), or status env_error when the
-    reset failed."""
+                       agents: list) -> list[Trajectory]:
+    """Reset pool instance i to task item_ids[i] (the instances past them stay idle): a Trajectory
+    each, with its agent's opening messages, or env_error where the reset failed."""
     assert len(item_ids) == len(groups) <= pool.size
-    agents = agents or [make_agent("react", env, 0) for _ in item_ids]
     trajs = []
     firsts = pool.reset(list(item_ids) + [None] * (pool.size - len(item_ids)))
     for item, group, first, agent in zip(item_ids, groups, firsts, agents):
@@ -208,12 +215,12 @@ def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: lis
     return trajs
 
 
-def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move], max_turns: int) -> None:
-    """One turn's env side, for the trajectories that replied (moves[i] from agents[i].act): the actions
-    go to the env in one batched call; then each trajectory gets its next user message (the agent's
-    rendering of the env's answer, or its note where there was no step), its reward and status; where the
-    agent retries, the env is reset to the same task and the reward starts again from 0. The reward is
-    the step's value on the trainer's scale (train_reward)."""
+def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move],
+               max_turns: int) -> None:
+    """One turn's env side for the trajectories that replied (moves[i] = agents[i].act(reply)):
+    one batched step; then each gets its next user message (the agent's rendering of the answer, or
+    its note where nothing was stepped), its reward on the trainer's 0-1 scale and its status. An
+    agent's retry resets the env to the same task, and the reward to 0."""
     results = pool.step([moves[i].action if i in moves else None for i in range(pool.size)])
     retry = []
     for i, move in moves.items():
@@ -241,14 +248,18 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
             else:
                 agents[i].restart(firsts[i])
                 trajs[i].reward = 0.0
+    for i in moves:  # after the resets: a retried attempt's reward is taken back on its last turn
+        t = trajs[i]
+        if t.status != "env_error":
+            t.turn_rewards.append(t.reward - sum(t.turn_rewards))
 
 
-def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[int], cfg: RolloutConfig,
-            fmt: ChatFormat | None = None, agent: str = "react", progress=None) -> list[Trajectory]:
-    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended; `agent`
-    names the scheme (agents.SCHEMES). With `fmt`, every trajectory gets its token row; without, only
-    its messages (a text policy such as a chat endpoint). `policy.replies` may answer an EnvError (the
-    trajectory is an env error) or None (the policy has nothing to say: the trajectory ends, max_turns)."""
+def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
+            cfg: RolloutConfig, fmt: ChatFormat | None = None, agent: str = "react",
+            progress=None) -> list[Trajectory]:
+    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended. Without
+    `fmt` (a text policy) no token rows. A reply may be an EnvError (the trajectory is an env error)
+    or None (the policy has nothing to say: max_turns)."""
     agents = [make_agent(agent, env, cfg.max_turns) for _ in item_ids]
     trajs = start_trajectories(pool, env, item_ids, groups, agents)
     for t in trajs:
@@ -281,7 +292,7 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
 
 
 def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
-    """Add a reply to its trajectory; False where there is no move to play (an error, or no reply)."""
+    """Add a reply to its trajectory; False where there is no move to play (an error, no reply)."""
     if r is None or isinstance(r, EnvError):
         t.status, t.error = ("max_turns", None) if r is None else ("env_error", str(r))
         return False
@@ -294,14 +305,15 @@ def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
     return True
 
 
-def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool, cfg: RolloutConfig) -> None:
+def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
+                        cfg: RolloutConfig) -> None:
     """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown row."""
     obs_ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
     t.token_ids += obs_ids
     t.loss_mask += [0] * len(obs_ids)
     t.logprobs += [0.0] * len(obs_ids)
-    if cfg.check_template and t.template != "mismatch":
-        t.template = _worse(t.template, check_against_template(fmt, t))
+    if cfg.check_template and t.template != "mismatch":  # a row's worst check so far
+        t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
     if len(t.token_ids) >= cfg.max_context:
         t.status = "context_limit"
 
@@ -311,24 +323,18 @@ def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:
     if mismatched:
         why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
                if not fmt.prefix_preserving else "decode/encode is not a round trip for this tokenizer")
-        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering of their "
-                      f"messages: {why}. Rows keep the ids the policy saw, and those are trained on.", stacklevel=3)
+        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering "
+                      f"of their messages: {why}. Rows keep the ids the policy saw, and those are "
+                      "trained on.", stacklevel=3)
 
 
-def _worse(a: str, b: str) -> str:
-    order = ["exact", "noncanonical", "mismatch"]
-    return order[max(order.index(a), order.index(b))]
-
-
-def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play, desc: str = "play",
-                   leave: bool = True, timeout: float = 120.0, played: list[Trajectory] = (),
-                   chunk_done=None) -> list[Trajectory]:
-    """Play episodes (task items[e], group groups[e]) on at most `size` env instances at once:
-    play(pool, items, groups, progress) -> trajectories, chunk by chunk. The last chunk is padded to the
-    pool's size with copies, which are dropped after. The progress bar counts ended episodes and shows
-    the chunk and turn it is at; `play` hands `progress` on to rollout(). `played`: the trajectories of
-    the first chunks, played before (a whole number of chunks); they are not played again.
-    `chunk_done(c, trajectories)` is called after each chunk c."""
+def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play,
+                   desc: str = "play", leave: bool = True, timeout: float = 120.0,
+                   played: list[Trajectory] = (), chunk_done=None) -> list[Trajectory]:
+    """Episodes (task items[e], group groups[e]) on at most `size` instances at once, chunk by chunk:
+    play(pool, items, groups, progress) -> trajectories, the last chunk padded with copies (dropped
+    after). `played`: whole chunks played before (a resumed evaluation), not played again;
+    `chunk_done(c, trajectories)` after each chunk c. A progress bar counts ended episodes."""
     from tqdm import tqdm
 
     size = max(1, min(size, len(items)))
@@ -359,13 +365,10 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
 
 # ---------------------------------------------------------------- training batch
 def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for the trainer; env errors are left out by the caller.
-
-    input_ids, attention_mask, position_ids, loss_mask, old_logprobs: (B, T), aligned so that
-    loss_mask[b, t] = 1 means token t was sampled by the policy with log-prob old_logprobs[b, t]
-    given tokens < t. rewards: (B,) outcome rewards; the trainer puts each on the row's last sampled
-    token (algos.token_rewards_from_outcome).
-    """
+    """Right-padded (B, T) tensors of the rows (env errors left out by the caller): input_ids,
+    attention_mask, position_ids, loss_mask, old_logprobs (the sampler's log-prob of token t given
+    tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0; else -1); and
+    (B,) rewards (outcomes) and group_ids."""
     T = max(len(t.token_ids) for t in trajs)
     B = len(trajs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -379,44 +382,20 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         lps[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
     pos = torch.arange(T).expand(B, T).clone()
+    sampled = mask > 0
+    # One turn, one run of sampled ids (observation ids lie between two replies): number the starts
+    starts = sampled & ~torch.cat([torch.zeros((B, 1), dtype=torch.bool), sampled[:, :-1]], dim=1)
+    turn_ids = torch.where(sampled, starts.long().cumsum(dim=1) - 1, -1)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group for t in trajs], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": mask,
-            "old_logprobs": lps, "rewards": rewards, "group_ids": groups}
-
-
-def length_buckets(lengths: list[int], max_tokens: int, overhead_tokens: int | None = None) -> list[list[int]]:
-    """Split row indices into micro-batches of similar length, each with rows x longest <= max_tokens
-    (a row longer than that gets its own batch), minimising padded tokens plus `overhead_tokens` per
-    micro-batch (a forward pass has a fixed cost; default max_tokens / 16). Rows sorted by length make
-    each batch a contiguous run, so a short dynamic programme finds the best cut points."""
-    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    L = [lengths[i] for i in order]
-    n = len(L)
-    prefix = [0]
-    for x in L:
-        prefix.append(prefix[-1] + x)
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
-            if L[i] * (j - i) > max_tokens and j - i > 1:
-                break
-            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], n
-    while j > 0:
-        buckets.append(order[cut[j]:j])
-        j = cut[j]
-    return buckets[::-1]
+            "old_logprobs": lps, "rewards": rewards, "group_ids": groups, "turn_ids": turn_ids}
 
 
 # ---------------------------------------------------------------- trajectory log
 def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> None:
-    """OUT/rollouts/step_000042.jsonl: one JSON object per trajectory, its fields and `step`, `max_turns`
-    (the README's "Run folder" lists them); the viewer, sft.py --from-log and the tests read it."""
+    """OUT/rollouts/step_000042.jsonl: a JSON line per trajectory, its fields, `step`, `max_turns`
+    (the format the viewer and sft.py --from-log read)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -427,28 +406,16 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
     os.replace(tmp, path)
 
 
-def informative_groups(trajs: list[Trajectory]) -> set[int]:
-    """Groups whose trajectories (env errors left out) did not all score the same: the only ones whose
-    GRPO/RLOO advantages are not all 0."""
-    scores: dict = {}
-    for t in trajs:
-        if t.status != "env_error":
-            scores.setdefault(t.group, set()).add(t.reward)
-    return {g for g, s in scores.items() if len(s) > 1}
-
-
-def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
-    """Outcomes over the trajectories without env errors (infrastructure failures are not rewards);
-    statuses and speed over all of them."""
+def outcomes(trajs: list[Trajectory]) -> dict:
+    """How episodes ended, counted in this one place (training, eval.py): statuses over all, the
+    rest over those without env errors. turns_per_success is None where nothing succeeded."""
     kept = [t for t in trajs if t.status != "env_error"]
-    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
-    groups = {t.group for t in kept}
-    statuses = {s: sum(t.status == s for t in trajs) for s in ("done", "max_turns", "context_limit", "env_error")}
+    wins = [t.turns for t in kept if is_success(t)]
     n = max(1, len(kept))
-    return {"max_turns": K, "reward_mean": sum(t.reward for t in kept) / n,
-            "success_rate": sum(map(is_success, kept)) / n, "turns_mean": sum(t.turns for t in kept) / n,
-            **{f"status_{k}": v for k, v in statuses.items()},
+    return {"episodes": len(kept), "env_errors": len(trajs) - len(kept),
+            "success_rate": len(wins) / n, "reward_mean": sum(t.reward for t in kept) / n,
+            "turns_mean": sum(t.turns for t in kept) / n,
+            "turns_per_success": sum(wins) / len(wins) if wins else None,
             "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
-            "template_mismatch": sum(t.template == "mismatch" for t in trajs),
-            "groups_informative": len(informative_groups(kept)) / max(1, len(groups)),
-            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
+            "statuses": {s: sum(t.status == s for t in trajs)
+                         for s in ("done", "max_turns", "context_limit", "env_error")}}

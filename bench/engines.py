@@ -41,7 +41,7 @@ EVAL_RATIO, EVAL_FULL_MINUTES, STEP_MINUTES = 3.0, 20.0, 6.0
 
 # ---------------------------------------------------------------- micro: in this process
 def textcraft_prompts(tok, n: int) -> list[list[int]]:
-    from agents import opening_messages
+    from env_server.agents import opening_messages
     from env_server.textcraft import TextCraftEnv
     from rollout import ChatFormat
 
@@ -61,14 +61,15 @@ def timed_generate(engine, prompts, new: int, seed: int) -> float:
 
 def micro(a, path: str) -> dict:
     import engines
-    import policy
+    from models import policy
+    from models.fast_hf import FastHFEngine
 
     tok = policy.load_tokenizer(path)
     made, start = {}, {}
     for kind in a.engines:
         t = time.perf_counter()
         if kind == "hf":
-            made[kind] = engines.HFEngine(policy.load_model(path).to(torch.bfloat16).eval(), policy.pad_id(tok))
+            made[kind] = FastHFEngine(policy.load_model(path).to(torch.bfloat16).eval(), policy.pad_id(tok))
         else:
             made[kind] = engines.make_engine("vllm", None, path, policy.pad_id(tok), batch=max(a.batches),
                                              max_model_len=4096, enforce_eager=a.vllm_eager)
@@ -205,7 +206,7 @@ def main() -> None:
     bad = [e for e in a.engines if e not in ("hf", "vllm")]
     if bad:
         p.error(f"--engines: {bad[0]!r} is not hf or vllm")
-    import models
+    import models.builtin as models
 
     path = models.resolve(a.model, "textcraft", a.cache_dir)
     if a.threads:

@@ -29,6 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from scheduler import horizons  # noqa: E402
 
 
 def warm_start(a) -> str | None:
@@ -37,7 +38,7 @@ def warm_start(a) -> str | None:
         return a.model
     out = os.path.join(a.out, f"warm_{a.env}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        cmd = [sys.executable, "sft.py", "--env", a.env, "--out", out, *(["--model", a.model] if a.model else []),
+        cmd = [sys.executable, "-m", "recipes.sft", "--env", a.env, "--out", out, *(["--model", a.model] if a.model else []),
                *a.sft.split()]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
@@ -46,7 +47,7 @@ def warm_start(a) -> str | None:
 
 def launch(a, model: str | None, schedule: str, seed: int) -> tuple[str, subprocess.Popen]:
     out = os.path.join(a.out, a.env, f"K{schedule.replace(',', '-')}_s{seed}")
-    stages = len(schedule.split(","))
+    stages = len(horizons(schedule))
     cmd = [sys.executable, "train.py", "--env", a.env, "--schedule", schedule, "--schedule-every",
            str(max(1, -(-a.steps // stages))), "--steps", str(a.steps), "--eval-every", str(a.eval_every),
            "--eval-turns", str(max(int(k) for h in a.horizons for k in h.split(","))), "--seed", str(seed),
@@ -115,7 +116,7 @@ def main() -> None:
 
 
 def report(a, done: dict, model, minutes: float) -> None:
-    from plot import plot
+    from tools.plot import plot
 
     runs = [(h, s, done[(h, s)]) for s in a.seeds for h in a.horizons]
     plot([r["out"] for _, _, r in runs], os.path.join(a.out, "horizons.png"),

@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
-import policy  # noqa: E402
-from agents import opening_messages  # noqa: E402
-from engines import HFEngine  # noqa: E402
+import models.builtin as models  # noqa: E402
+from models import policy  # noqa: E402
+from models.fast_hf import FastHFEngine  # noqa: E402
+from env_server.agents import opening_messages  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from rollout import ChatFormat  # noqa: E402
 
@@ -74,7 +74,7 @@ def prefill_speed(model, pad: int, prompts) -> float:
 
 
 def engine_speed(model, pad: int, prompts, new: int) -> float:
-    engine = HFEngine(model, pad)
+    engine = FastHFEngine(model, pad)
     t = time.perf_counter()
     out = engine.generate(prompts, new, [], 1.0, 1.0, torch.Generator().manual_seed(0))
     assert all(len(s.ids) == new for s in out)

@@ -31,11 +31,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import train  # noqa: E402
-from cli import cpu_threads  # noqa: E402
-from models import resolve  # noqa: E402
-from policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs  # noqa: E402
-from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
-from sft import load_log  # noqa: E402
+
+from trainer import run as run_layer
+from trainer.cli import cpu_threads  # noqa: E402
+from models.builtin import resolve  # noqa: E402
+from models.policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs  # noqa: E402
+from rollout import ChatFormat, build_batch  # noqa: E402
+from recipes.sft import load_log  # noqa: E402
 
 
 def parse_setting(text: str) -> list[str]:
@@ -52,7 +54,7 @@ def parse_setting(text: str) -> list[str]:
 def probe_rows(cfg, fmt, n: int):
     """Expert trajectories on n held-out tasks (the env's test split), or [] when the env has no expert."""
     from env_server import get_env_class
-    from warmstart import expert_trajectories
+    from models.warmstart import expert_trajectories
 
     cls = get_env_class(cfg.env)
     test = list(cls.splits(cls.load_world(None)).get("test", []))[:n]
@@ -102,7 +104,7 @@ def main() -> None:
     master0 = load_model(init)
     trajs = load_log(log)
     if base.dynamic_sampling:  # the step trained on the groups whose scores differ, from every round
-        keep = informative_groups(trajs)
+        keep = run_layer.informative_groups(trajs)
         trajs = [t for t in trajs if t.group in keep]
     probe = probe_rows(base, fmt, a.probe_tasks)
     print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, {sum(sum(t.loss_mask) for t in trajs)} sampled "
@@ -112,17 +114,18 @@ def main() -> None:
     for flags, cfg in zip(settings, cfgs):
         torch.manual_seed(cfg.seed)
         master = copy.deepcopy(master0).train()
-        dtype = train.compute_dtype(cfg, torch.device("cpu"), master)
+        dtype = run_layer.compute_dtype(cfg, torch.device("cpu"), master)
         prec = Precision(master, dtype)
         ref = Precision(copy.deepcopy(master0).eval(), dtype).model if cfg.kl_coef > 0 else None
         run = SimpleNamespace(cfg=cfg, model=master, prec=prec, ref=ref, critic=None, pad=pad,
-                              device=torch.device("cpu"), lr_scale=1.0,
+                              device=torch.device("cpu"), lr_scale=1.0, engine_kind=cfg.engine,
                               optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
                                                                   weight_decay=cfg.weight_decay)})
-        lr = train.set_lr(run, a.step)
+        lr = run_layer.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()
-        m = train.update(run, trajs)
+        rows = train.Rows(run, trajs)
+        m = train.update(run, rows, *train.advantages(run, rows))
         after = probe_nll(prec.model, probe, pad, cfg.temperature)
         name = " ".join(flags) or "(the run's own settings)"
         kl = m["update_kl"]

@@ -19,18 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
+import models.builtin as models  # noqa: E402
 import train  # noqa: E402
-from cli import cpu_threads  # noqa: E402
-from engines import HFEngine  # noqa: E402
+from trainer.cli import cpu_threads  # noqa: E402
 from env_client import EnvPool  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
-from policy import load_model, load_tokenizer, pad_id  # noqa: E402
+from models.fast_hf import FastHFEngine  # noqa: E402
+from models.policy import Precision, load_model, load_tokenizer, pad_id  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
-class TimedEngine(HFEngine):
-    """HFEngine that adds up the seconds spent generating."""
+class TimedEngine(FastHFEngine):
+    """FastHFEngine (what train.py samples with) that adds up the seconds spent generating."""
 
     seconds = 0.0
 
@@ -76,9 +76,10 @@ def main() -> None:
           f"rollout / generation = {wall / engine.seconds:.3f}  (target <= 1.2)")
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
-    run = SimpleNamespace(cfg=cfg, model=model, ref=None, critic=None, optims=optims, pad=pad_id(tok),
-                          device=torch.device("cpu"))
-    m = train.update(run, trajs)  # what train.update reads of a run
+    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=None, critic=None, optims=optims,
+                          pad=pad_id(tok), device=torch.device("cpu"), engine_kind=cfg.engine)
+    rows = train.Rows(run, trajs)  # what the update reads of a run
+    m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1
     print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} tokens/s, "
           f"padding share {m['padding_share']:.1%}  (target < 15%)")

@@ -4,9 +4,9 @@
     python bench/turn_cache.py --compare compaction --temperature 1 --max-new-tokens 128 --model PATH
 
 `--compare cache` (default): the KV cache kept across turns. Plays `--tasks` held-out tasks twice with
-HFEngine, once encoding every prompt in full and once reusing the previous turn's keys and values
-(rollout()'s default). `--compare compaction`: decoding only the rows still generating once half of a
-batch has stopped (HFEngine's default) against decoding every row until the last one stops. Prints
+models/fast_hf.py's FastHFEngine, once encoding every prompt in full and once reusing the previous
+turn's keys and values (rollout()'s default). `--compare compaction`: decoding only the rows still generating once half of a
+batch has stopped (FastHFEngine's default) against decoding every row until the last one stops. Prints
 both wall times, their ratio, the prompt tokens encoded and the rows computed by decoding, and whether
 the two played the same episodes. Greedy decoding (the default) or one seed for both makes the
 episodes comparable: compaction keeps each row's sampling stream, so the two differ only where float
@@ -22,13 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
-from cli import cpu_threads  # noqa: E402
-from engines import HFEngine  # noqa: E402
-from env_client import EnvPool, spread  # noqa: E402
+import models.builtin as models  # noqa: E402
+from trainer.cli import cpu_threads  # noqa: E402
+from env_client import EnvPool  # noqa: E402
+from trainer.tasks import spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
-from policy import load_model, load_tokenizer, pad_id, resolve_dtype  # noqa: E402
+from models.fast_hf import FastHFEngine  # noqa: E402
+from models.policy import load_model, load_tokenizer, pad_id, resolve_dtype  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     runs = {}
     with ServerProcess(a.env) as server:
         for name, attrs in settings:
-            engine = HFEngine(model, pad_id(tok))
+            engine = FastHFEngine(model, pad_id(tok))
             for k, v in attrs.items():
                 setattr(engine, k, v)
             gen = torch.Generator().manual_seed(0)

@@ -19,25 +19,32 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m env_server", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     names = served_envs()
-    p.add_argument("name", choices=names, help="which environment to serve; `python -m env_server NAME -h` "
-                                              "also lists that environment's own flags")
+    p.add_argument("name", choices=names, help="which environment to serve; `python -m env_server "
+                                              "NAME -h` also lists that environment's own flags")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; 127.0.0.1 serves this machine only (and refuses cross-site and "
-                        "DNS-rebinding requests); on any other address whoever reaches the port may use it")
-    p.add_argument("--port", type=int, default=36001, help="port (0 picks a free one and prints it)")
+                   help="address to bind; 127.0.0.1 serves this machine only (and refuses "
+                        "cross-site and DNS-rebinding requests); on any other address whoever "
+                        "reaches the port may use it")
+    p.add_argument("--port", type=int, default=36001,
+                   help="port (0 picks a free one and prints it)")
     p.add_argument("--threads", type=int, default=4,
-                   help="worker threads serving requests (more for games that wait on I/O or a JVM)")
-    p.add_argument("--max-instances", type=int, default=1024, help="cap on live instances (503 past it)")
+                   help="worker threads serving requests (more for games that wait on I/O or a "
+                        "JVM)")
+    p.add_argument("--max-instances", type=int, default=1024,
+                   help="cap on live instances (503 past it)")
     p.add_argument("--idle-timeout", type=float, default=900.0,
                    help="close instances idle for this many seconds (0: never)")
-    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (413 past it)")
+    p.add_argument("--max-body-kb", type=int, default=1024,
+                   help="largest request body accepted (413 past it)")
     p.add_argument("--op-timeout", type=float, default=60.0,
-                   help="seconds a call into a game may take (not counting its wait for an instance another "
-                        "call is using: a 503 busy past this long); past it the caller gets a 504 and the "
-                        "instance is marked hung (its thread is abandoned), the rest of the server keeps serving")
+                   help="seconds a call into a game may take (not counting its wait for an "
+                        "instance another call is using: a 503 busy past this long); past it the "
+                        "caller gets a 504 and the instance is marked hung (its thread is "
+                        "abandoned), the rest of the server keeps serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers such as train.py)")
-    name = argv[0] if argv and argv[0] in names else None  # before parsing, so --help lists its flags
+    # before parsing, so --help lists its flags
+    name = argv[0] if argv and argv[0] in names else None
     env_cls = get_env_class(name) if name else None
     if env_cls is not None:
         env_cls.add_args(p.add_argument_group(f"{name} options"))
@@ -53,14 +60,16 @@ def main(argv=None) -> None:
         world = env_cls.load_world(args)
     except (OSError, ValueError) as e:
         p.error(f"cannot load {name}: {e}")
-    app = create_app(env_cls, world, max_instances=args.max_instances, idle_timeout_s=args.idle_timeout,
-                     op_timeout_s=args.op_timeout, max_body_bytes=args.max_body_kb * 1024, host=args.host)
+    app = create_app(env_cls, world, max_instances=args.max_instances,
+                     idle_timeout_s=args.idle_timeout, op_timeout_s=args.op_timeout,
+                     max_body_bytes=args.max_body_kb * 1024, host=args.host)
     try:
         server = make_server(app, args.host, args.port, threads=args.threads)
     except OSError as e:  # the port is taken, or the address is not this machine's
         app.extensions["registry"].stop()
-        sys.exit(f"python -m env_server: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
-                 "(another server on that port? pick another with --port, or 0 for a free one)")
+        sys.exit(f"python -m env_server: cannot listen on {args.host}:{args.port}: "
+                 f"{e.strerror or e} (another server on that port? pick another with --port, or 0 "
+                 "for a free one)")
     # This exact line is how launchers learn the port when --port 0 was asked for.
     print(f"serving {name} on http://{args.host}:{server.effective_port}", flush=True)
     # SIGTERM (what launchers send) unwinds like Ctrl-C, so instances (JVMs, browsers) get closed.

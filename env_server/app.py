@@ -1,38 +1,41 @@
 """One generic Flask app for every environment, speaking the AgentGym HTTP protocol.
 
     POST /create {"data_idx"?, "request_key"?} -> {"id", "observation", "reward", "done"}
-    POST /reset  {"id", "data_idx"}      -> {"id", "observation", "reward", "score", "done"}
+    POST /reset  {"id", "data_idx"}      -> {"id", "observation", "reward", "score", "done"} (+ the
+                                            game's own, e.g. SciWorld's "task_description")
     POST /step   {"id", "action"}        -> {"observation", "reward", "score", "done", "info"}
     GET  /observation?id=                -> "text"
     GET  /available_actions?id=          -> ["...", ...]
     GET  /detail?id=                     -> {...}
     POST /close  {"id"}                  -> true
     POST /batch  {"ops": [{"op": "step"|"reset"|"create"|"close", ...}]} -> {"results": [...]}
-    GET  /expert_action?id=              -> "the expert's next action" (tests, warm starts; not AgentGym)
+    GET  /expert_action?id=              -> "the expert's next action" (tests, warm starts; not
+                                            AgentGym)
     GET  /tasks                          -> {"num_tasks", "splits"}
     GET  /                               -> health
 
-AgentGym's clients read these shapes, so they drive this server unchanged. A body or query may name the
-instance `env_idx` instead of `id` (AgentGym's SearchQA and WebArena servers do); where it does, `env_idx`
-is the instance and `id`, if any, is the task. An env whose class sets `bare_answers` (SearchQA) also
-speaks AgentGym's SearchQA dialect, whose answers are bare values:
+AgentGym's clients read these shapes, so they drive this server unchanged. A body or query may name
+the instance `env_idx` instead of `id` (AgentGym's SearchQA and WebArena servers do); where it does,
+`env_idx` is the instance and `id`, if any, is the task. An env whose class sets `bare_answers`
+(SearchQA) also speaks AgentGym's SearchQA dialect, whose answers are bare values:
 
     POST /create {"id": task} (or no body)  -> instance id   (the instance starts on that task)
     POST /reset  {"env_idx", "id": task}    -> "observation"  (any /reset naming `env_idx`)
 
-while a /create with any other body (this project's client's `{"request_key"}`, `{}`) and a /reset naming
-`id` answer the objects above, and /batch always does. Unlike AgentGym, a caller's mistake is a
-4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never dies. A
-create that carries a `request_key` (a string of the client's choosing, at most 200 characters) answers
-the same id for the same key while that instance lives: a client that retries a create whose answer it
-lost gets the instance it made, not a second one holding a slot until the reaper comes.
+while a /create with any other body (this project's client's `{"request_key"}`, `{}`) and a /reset
+naming `id` answer the objects above, and /batch always does. Unlike AgentGym, a caller's mistake is
+a 4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: the server never
+dies. A create that carries a `request_key` (a string of the client's choosing, at most 200
+characters) answers the same id for the same key while that instance lives: a client that retries a
+create whose answer it lost gets the instance it made, not a second one holding a slot until the
+reaper comes.
 
 Instances live in an `instances.Registry`: each has its own lock, so that two requests for the same
 instance never interleave while requests for different instances run in parallel; idle instances are
 reaped and live ones capped. Every call into a game runs under a deadline (`op_timeout_s`, see
-`instances.Runner`): a hung game costs its own instance, never a server thread or the other instances.
-Instance ids start at a random base, so that a client of a server that was restarted gets a 404 for
-its old ids instead of driving someone else's game.
+`instances.Runner`): a hung game costs its own instance, never a server thread or the other
+instances. Instance ids start at a random base, so that a client of a server that was restarted gets
+a 404 for its old ids instead of driving someone else's game.
 
 There is no authentication: `guard` refuses what a web page in the user's browser could send (simple
 cross-site POSTs, foreign origins, DNS rebinding while bound to loopback).
@@ -81,8 +84,10 @@ def _str(body: dict, name: str, max_len: int = 100_000) -> str:
         raise ApiError(400, f"field {name!r} is longer than {max_len} characters")
     try:
         v.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON can carry "\ud800"; a game's JVM or browser cannot take it
-        raise ApiError(400, f"field {name!r} is not valid Unicode: lone surrogate at {e.start}") from None
+    # JSON can carry "\ud800"; a game's JVM or browser cannot take it
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"field {name!r} is not valid Unicode: lone surrogate at "
+                            f"{e.start}") from None
     return v
 
 
@@ -102,7 +107,8 @@ def _json(obj, status: int = 200) -> Response:
 
 # ---------------------------------------------------------------- who may call
 def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, without a port) is this machine's loopback interface."""
+    """Whether `host` (a name or an address, without a port) is this machine's loopback
+    interface."""
     if host.lower() == "localhost":
         return True
     try:
@@ -120,19 +126,20 @@ def _host_port(netloc: str, default_port: int | None = None) -> tuple[str, int |
 
 
 def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
-    """Refuse what a web page open in the user's browser could send: the servers and the viewer have no
-    authentication, and a browser sends a page's requests to any address, 127.0.0.1 included.
+    """Refuse what a web page open in the user's browser could send: the servers and the viewer have
+    no authentication, and a browser sends a page's requests to any address, 127.0.0.1 included.
 
-    - A POST with a body that is not `Content-Type: application/json`: 415. A page may POST text/plain,
-      forms or no type at all to any address without the browser asking first; a JSON POST needs a CORS
-      preflight that these servers never grant. A POST with no body at all passes (AgentGym's BabyAI,
-      SciWorld and SearchQA clients create instances so): a browser sends it with an Origin, which the
-      next rule checks, and the Host rule stops DNS rebinding.
-    - A foreign `Origin` (one whose host:port is not the request's own Host): 403. Clients that are not
-      browsers (curl, Python) send no Origin.
+    - A POST with a body that is not `Content-Type: application/json`: 415. A page may POST
+      text/plain, forms or no type at all to any address without the browser asking first; a JSON
+      POST needs a CORS preflight that these servers never grant. A POST with no body at all passes
+      (AgentGym's BabyAI, SciWorld and SearchQA clients create instances so): a browser sends it
+      with an Origin, which the next rule checks, and the Host rule stops DNS rebinding.
+    - A foreign `Origin` (one whose host:port is not the request's own Host): 403. Clients that are
+      not browsers (curl, Python) send no Origin.
     - While bound to loopback, a Host that is not a loopback name or address: 403. DNS rebinding (a
-      page's own name resolving to 127.0.0.1) passes the Origin check; the Host it sends gives it away.
-      Bound to another address (`--host`), any Host is accepted: whoever reaches the port may call.
+      page's own name resolving to 127.0.0.1) passes the Origin check; the Host it sends gives it
+      away. Bound to another address (`--host`), any Host is accepted: whoever reaches the port may
+      call.
 
     `host` is the bound address; make_server sets it to the one it binds (app.config["BIND_HOST"]).
     """
@@ -140,7 +147,8 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
 
     @app.before_request
     def refuse_cross_site():
-        sent = request.environ.get("HTTP_HOST")  # absent only from HTTP/1.0 clients; browsers send it
+        # absent only from HTTP/1.0 clients; browsers send it
+        sent = request.environ.get("HTTP_HOST")
         if sent is not None and is_loopback(app.config["BIND_HOST"]):
             try:
                 ok = is_loopback(_host_port(sent)[0])
@@ -148,7 +156,8 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
                 ok = False
             if not ok:
                 return _json({"error": f"Host {sent[:100]!r} refused: a server bound to "
-                                       f"{app.config['BIND_HOST']} answers only to loopback names"}, 403)
+                                       f"{app.config['BIND_HOST']} answers only to loopback names"},
+                             403)
         origin = request.headers.get("Origin")
         if origin is not None:
             try:
@@ -159,8 +168,8 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
             except ValueError:
                 same = False
             if not same:
-                return _json({"error": f"Origin {origin[:100]!r} refused: requests from other sites' pages "
-                                       "are not served"}, 403)
+                return _json({"error": f"Origin {origin[:100]!r} refused: requests from other "
+                                       "sites' pages are not served"}, 403)
         bodyless = not request.content_length and "Transfer-Encoding" not in request.headers
         if request.method == "POST" and request.mimetype != "application/json" and not bodyless:
             return _json({"error": f"POST needs Content-Type: application/json, got "
@@ -171,19 +180,21 @@ def guard(app: Flask, host: str = "127.0.0.1") -> Flask:
 
 
 # ---------------------------------------------------------------- the app
-def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idle_timeout_s: float = 900.0,
-               op_timeout_s: float = 60.0, max_body_bytes: int = 1 << 20, max_batch_ops: int = 4096,
+def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
+               idle_timeout_s: float = 900.0, op_timeout_s: float = 60.0,
+               max_body_bytes: int = 1 << 20, max_batch_ops: int = 4096,
                first_id: int | None = None, host: str = "127.0.0.1") -> Flask:
-    """Build the Flask app serving `env_cls`. `world` defaults to `env_cls.load_world()`; `first_id` pins
-    the first instance id (tests), else it is random; `host` is the address it will be bound to (`guard`;
-    make_server sets it)."""
+    """Build the Flask app serving `env_cls`. `world` defaults to `env_cls.load_world()`; `first_id`
+    pins the first instance id (tests), else it is random; `host` is the address it will be bound to
+    (`guard`; make_server sets it)."""
     if world is None:
         world = env_cls.load_world(None)
     # Games that wait on I/O or a JVM set batch_threads > 1 to play a batch's ops in parallel.
     runner = Runner(getattr(env_cls, "batch_threads", 1), op_timeout_s)
-    # A call waits for a busy instance up to one op timeout: as long as the call it waits for may take.
-    reg = Registry(env_cls, world, max_instances, idle_timeout_s, lock_timeout_s=op_timeout_s, first_id=first_id,
-                   waiting=runner.waiting)
+    # A call waits for a busy instance up to one op timeout: as long as the call it waits for may
+    # take.
+    reg = Registry(env_cls, world, max_instances, idle_timeout_s, lock_timeout_s=op_timeout_s,
+                   first_id=first_id, waiting=runner.waiting)
     app = guard(Flask(f"env_server.{env_cls.name}"), host)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes  # werkzeug answers 413 past this
     app.extensions["registry"] = reg
@@ -203,10 +214,12 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
     bare = env_cls.bare_answers
 
     def task_id(b: dict, with_id: bool) -> int:
-        """The task a body names: `data_idx` or `idx`, else (`with_id`: `id` is not the instance) `id`."""
+        """The task a body names: `data_idx` or `idx`, else (`with_id`: `id` is not the instance)
+        `id`."""
         idx = _int(b, "data_idx", "idx", *(("id",) if with_id else ()))
         if not 0 <= idx < reg.num_tasks:
-            raise ApiError(400, f"task id {idx} out of range: {env_cls.name} has tasks 0..{reg.num_tasks - 1}")
+            raise ApiError(400, f"task id {idx} out of range: {env_cls.name} has tasks "
+                                f"0..{reg.num_tasks - 1}")
         return idx
 
     def instance_id(b: dict) -> int:
@@ -220,22 +233,26 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     # -- operations shared by the single endpoints and /batch; each returns a JSON-able value
     def op_create(b: dict) -> dict:
-        given = "data_idx" in b or "idx" in b or (bare and "id" in b)  # AgentGym SearchQA's {"id": task}
+        # AgentGym SearchQA's {"id": task}
+        given = "data_idx" in b or "idx" in b or (bare and "id" in b)
         idx = task_id(b, with_id=bare) if given else None
         key = _str(b, "request_key", max_len=200) if "request_key" in b else None
-        iid = reg.create(key)  # with a key seen before: that instance (reset again when a task is given)
+        # with a key seen before: that instance (reset again when a task is given)
+        iid = reg.create(key)
         out = {"id": iid, "observation": "", "reward": 0, "done": False}
         if idx is not None:
             out = op_reset({"id": iid, "data_idx": idx})
         return out
 
     def op_reset(b: dict) -> dict:
-        iid, idx = instance_id(b), task_id(b, with_id="env_idx" in b)  # AgentGym SearchQA's {"env_idx", "id": task}
+        # AgentGym SearchQA's {"env_idx", "id": task}
+        iid, idx = instance_id(b), task_id(b, with_id="env_idx" in b)
         inst = reg.get(iid)
         with reg.hold(iid, inst):
             obs = inst.env.reset(idx)
             inst.task, inst.done = idx, False
-        return {"id": iid, "observation": obs, "reward": 0, "score": 0, "done": False}
+            fields = inst.env.reset_fields()
+        return {"id": iid, "observation": obs, "reward": 0, "score": 0, "done": False, **fields}
 
     def op_step(b: dict) -> dict:
         iid, action = instance_id(b), _str(b, "action")
@@ -244,12 +261,13 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
             if inst.task is None:
                 raise ApiError(409, f"instance {iid} has no task yet: call /reset first")
             if inst.done:
-                raise ApiError(409, f"the episode of instance {iid} is over: call /reset to start another")
+                raise ApiError(409, f"the episode of instance {iid} is over: call /reset to start "
+                                    "another")
             r = inst.env.step(action)
             inst.done = bool(r.done)
         score = r.reward if r.score is None else r.score
-        return {"observation": r.observation, "reward": r.reward, "score": score, "done": bool(r.done),
-                "info": r.info}
+        return {"observation": r.observation, "reward": r.reward, "score": score,
+                "done": bool(r.done), "info": r.info}
 
     def op_close(b: dict) -> bool:
         reg.close(instance_id(b))
@@ -288,20 +306,23 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
     @app.get("/tasks")
     def tasks():
-        return _json({"env": env_cls.name, "num_tasks": reg.num_tasks, "splits": env_cls.splits(world)})
+        return _json({"env": env_cls.name, "num_tasks": reg.num_tasks,
+                      "splits": env_cls.splits(world)})
 
     @app.post("/create")
     def create():
         bodyless = not request.get_data(cache=True)
         b = body()
         out = guarded(b, op_create)
-        return _json(out["id"] if bare and (bodyless or "id" in b) else out)  # AgentGym SearchQA's: bare
+        # AgentGym SearchQA's: bare
+        return _json(out["id"] if bare and (bodyless or "id" in b) else out)
 
     @app.post("/reset")
     def reset():
         b = body()
         out = guarded(b, op_reset)
-        return _json(out["observation"] if bare and "env_idx" in b else out)  # AgentGym SearchQA's: bare
+        # AgentGym SearchQA's: bare
+        return _json(out["observation"] if bare and "env_idx" in b else out)
 
     @app.post("/step")
     def step():
@@ -340,7 +361,8 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
         def run_one(item):
             # One op's failure is its own result; the other ops of the batch still run.
             try:
-                if not isinstance(item, dict) or not isinstance(item.get("op"), str) or item["op"] not in ops:
+                if (not isinstance(item, dict) or not isinstance(item.get("op"), str)
+                        or item["op"] not in ops):
                     raise ApiError(400, f"each op needs \"op\" in {sorted(ops)}")
                 return ops[item["op"]](item)
             except ApiError as e:
@@ -384,9 +406,9 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024, idl
 
 # ---------------------------------------------------------------- serving
 class JsonErrorTask(ErrorTask):
-    """The answers waitress gives itself, without asking the app (a body past max_request_body_size, a
-    request it cannot parse, headers too large, a Transfer-Encoding it does not know, an app that raised
-    before answering), as `{"error": ...}` like the app's, instead of plain text."""
+    """The answers waitress gives itself, without asking the app (a body past max_request_body_size,
+    a request it cannot parse, headers too large, a Transfer-Encoding it does not know, an app that
+    raised before answering), as `{"error": ...}` like the app's, instead of plain text."""
 
     def execute(self):
         e = self.request.error
@@ -403,31 +425,38 @@ class JsonErrorChannel(HTTPChannel):
 
 
 def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 4, **kw):
-    """A waitress server (production-grade, threaded, pure Python) for `app`; `port=0` picks a free port
-    (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop. A guarded app
-    (`guard`) learns here the address it is bound to; waitress's own error answers are JSON too.
+    """A waitress server (production-grade, threaded, pure Python) for `app`; `port=0` picks a free
+    port (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop. A
+    guarded app (`guard`) learns here the address it is bound to; waitress's own error answers are
+    JSON too.
 
     Tuned for many small JSON requests (measured with bench/env_throughput.py, +20% single-step
-    steps/s): responses are buffered whole and sent by the I/O loop in one write (`send_bytes`) instead
-    of one send per header and body from the worker thread; poll() instead of select(); and few worker
-    threads, since game steps hold the GIL (raise --threads for games that wait on I/O or a JVM).
+    steps/s): responses are buffered whole and sent by the I/O loop in one write (`send_bytes`)
+    instead of one send per header and body from the worker thread; poll() instead of select(); and
+    few worker threads, since game steps hold the GIL (raise --threads for games that wait on I/O or
+    a JVM).
     """
     # waitress warns "Task queue depth is N" whenever requests wait for a thread: normal under load.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    opts = {"connection_limit": 2048, "channel_timeout": 300, "send_bytes": 1 << 16, "asyncore_use_poll": True,
-            "ident": "env_server", **kw}
+    opts = {"connection_limit": 2048, "channel_timeout": 300, "send_bytes": 1 << 16,
+            "asyncore_use_poll": True, "ident": "env_server", **kw}
     config = getattr(app, "config", {})
-    if "BIND_HOST" in config:  # a guarded app: its Host rule follows the address bound here, whatever it was told
+    # a guarded app: its Host rule follows the address bound here, whatever it was told
+    if "BIND_HOST" in config:
         config["BIND_HOST"] = host
     cap = config.get("MAX_CONTENT_LENGTH")
-    if cap:  # waitress would buffer up to 1 GB for Flask's 413; far past the cap it refuses (JsonErrorTask)
+    # waitress would buffer up to 1 GB for Flask's 413; far past the cap it refuses (JsonErrorTask)
+    if cap:
         opts.setdefault("max_request_body_size", 16 * cap)
-    sockets: dict = {}  # waitress's socket map: the listening socket(s), a wake-up pipe, then connections
-    with warnings.catch_warnings():  # waitress 3.0 marks send_bytes deprecated; requirements pin 3.0.2
+    # waitress's socket map: the listening socket(s), a wake-up pipe, then connections
+    sockets: dict = {}
+    # waitress 3.0 marks send_bytes deprecated; requirements pin 3.0.2
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="send_bytes", category=DeprecationWarning)
         server = create_server(app, host=host, port=port, threads=threads, map=sockets, **opts)
     for listener in sockets.values():
-        if isinstance(listener, BaseWSGIServer):  # makes a channel per connection: ours, for this server only
+        # makes a channel per connection: ours, for this server only
+        if isinstance(listener, BaseWSGIServer):
             listener.channel_class = JsonErrorChannel
     return server
 
@@ -438,8 +467,8 @@ def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
     stopping, stopped = threading.Event(), threading.Event()
 
     def loop():
-        # waitress's own run() cannot be stopped from another thread; poll in short slices instead and
-        # close the server (and its open connections) from this thread once asked to stop.
+        # waitress's own run() cannot be stopped from another thread; poll in short slices instead
+        # and close the server (and its open connections) from this thread once asked to stop.
         while not stopping.is_set():
             server.asyncore.loop(timeout=0.05, map=server._map, count=1)
         for channel in list(server._map.values()):
@@ -456,8 +485,10 @@ def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
     return f"http://{host}:{server.effective_port}", stop
 
 
-def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", port: int = 0, **app_kw):
-    """Start a server for `env_cls` on a daemon thread; return (base_url, stop). For tests and in-process use."""
+def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", port: int = 0,
+                    **app_kw):
+    """Start a server for `env_cls` on a daemon thread; return (base_url, stop). For tests and
+    in-process use."""
     app = create_app(env_cls, world, host=host, **app_kw)
     url, stop_server = serve_wsgi_in_thread(app, host, port)
 
@@ -468,5 +499,6 @@ def serve_in_thread(env_cls: type[Env], world=None, host: str = "127.0.0.1", por
     return url, stop
 
 
-# The child-process launcher lives in process.py (no Flask there); imported here for existing callers.
+# The child-process launcher lives in process.py (no Flask there); imported here for existing
+# callers.
 from .process import ServerProcess, serving  # noqa: E402,F401

@@ -122,10 +122,6 @@ class BabyAIEnv(Env):
         return len(LEVELS) * SEEDS_PER_LEVEL
 
     @classmethod
-    def splits(cls, world) -> dict[str, list[int]]:
-        return {"train": list(world["splits"]["train"]), "test": list(world["splits"]["test"])}
-
-    @classmethod
     def task_category(cls, world, idx: int) -> str:
         return level_and_seed(idx)[0]
 

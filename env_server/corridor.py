@@ -1,15 +1,15 @@
 """Corridor: a two-action sanity-check game, the CartPole of this project.
 
-The agent stands in a corridor; the goal is `distance` cells to its left or right. Each turn it answers
-`left` or `right` (the last of those words in its reply counts; a reply with neither waits). The
-observation tells where the goal is. Reward 1 on reaching the goal, 0 otherwise; done on reaching it.
-A random policy wins sometimes, a good one always: small models learn it in minutes on a CPU, which
-makes it the learning test of the training loop, not a benchmark.
+The agent stands in a corridor; the goal is `distance` cells to its left or right. Each turn it
+answers `left` or `right` (the last of those words in its reply counts; a reply with neither waits).
+The observation tells where the goal is. Reward 1 on reaching the goal, 0 otherwise; done on
+reaching it. A random policy wins sometimes, a good one always: small models learn it in minutes on
+a CPU, which makes it the learning test of the training loop, not a benchmark.
 
 Task id i: the goal is on the right when i is even. The training tasks (0-47) put it 1, 2 or 4 cells
 away, the test tasks (48-59) 3 cells away: a game no training task plays, made of words the training
-games use (an episode from 4 cells away reads "3 steps" on its way). Held-out success then measures a
-policy that goes where the observation says, not one that remembers the training games.
+games use (an episode from 4 cells away reads "3 steps" on its way). Held-out success then measures
+a policy that goes where the observation says, not one that remembers the training games.
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ class CorridorEnv(Env):
         gap = self.goal - self.pos
         if gap == 0:
             return "You reached the goal."
-        return f"The goal is {abs(gap)} step{'s' if abs(gap) > 1 else ''} to your {'right' if gap > 0 else 'left'}."
+        return (f"The goal is {abs(gap)} step{'s' if abs(gap) > 1 else ''} to your "
+                f"{'right' if gap > 0 else 'left'}.")
 
     def step(self, action: str) -> StepResult:
         self._require_task()
         if self.done:
             raise TaskError("the episode is over", 409)
-        words = [w for w in action.lower().replace(",", " ").replace(".", " ").split() if w in ("left", "right")]
+        words = [w for w in action.lower().replace(",", " ").replace(".", " ").split()
+                 if w in ("left", "right")]
         if words:
             self.pos += 1 if words[-1] == "right" else -1
         self.done = self.pos == self.goal
@@ -79,4 +81,5 @@ class CorridorEnv(Env):
         return {"goal": self.goal, "position": self.pos}
 
     def expert_action(self) -> str | None:
-        return None if self.goal is None or self.done else ("right" if self.goal > self.pos else "left")
+        return (None if self.goal is None or self.done
+                else ("right" if self.goal > self.pos else "left"))

@@ -18,8 +18,8 @@ log = logging.getLogger("env_server")
 
 
 class ApiError(Exception):
-    """A request the server refuses; becomes `{"error": message}` with `status` (and a Retry-After header
-    when `retry_after` seconds are given: the same request may succeed then)."""
+    """A request the server refuses; becomes `{"error": message}` with `status` (and a Retry-After
+    header when `retry_after` seconds are given: the same request may succeed then)."""
 
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
@@ -33,7 +33,8 @@ class Instance:
         self.env, self.key = env, key  # key: the request_key of the create that made it
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
-        self.task: int | None = None  # the task id of the running episode, None before the first reset
+        # the task id of the running episode, None before the first reset
+        self.task: int | None = None
         self.done = False
         self.closed = False
         self.hung = False  # a call into the game ran past the deadline and still holds the lock
@@ -47,14 +48,16 @@ class Runner:
     """Runs calls into games on worker threads, each call under a deadline.
 
     `run(calls)` splits the list into `threads` contiguous slices played in parallel (one slice: in
-    order, on one thread, as GIL-bound games want); each call's result, or the exception it raised, comes
-    back in place. A call still running `timeout_s` after it started gets a `Hung` result: its thread is
-    left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh one, and the
-    caller marks the instance hung. The executor grows a new thread whenever none is idle.
+    order, on one thread, as GIL-bound games want); each call's result, or the exception it raised,
+    comes back in place. A call still running `timeout_s` after it started gets a `Hung` result: its
+    thread is left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh
+    one, and the caller marks the instance hung. The executor grows a new thread whenever none is
+    idle.
 
-    Only a call's own time counts: while it waits for another call (inside `waiting()`: the instance's
-    lock, see Registry.hold) its deadline is off, and it starts afresh when the wait ends. Otherwise calls
-    queued behind a slow but healthy one would be declared hung, and their instance with them.
+    Only a call's own time counts: while it waits for another call (inside `waiting()`: the
+    instance's lock, see Registry.hold) its deadline is off, and it starts afresh when the wait
+    ends. Otherwise calls queued behind a slow but healthy one would be declared hung, and their
+    instance with them.
     """
 
     def __init__(self, threads: int, timeout_s: float):
@@ -62,12 +65,13 @@ class Runner:
         self.pool = ThreadPoolExecutor(4096, thread_name_prefix="env-call")
         self.lock = threading.Lock()
         self.abandoned = 0  # threads left behind in hung calls
-        self._local = threading.local()  # .state: the progress of the slice this worker thread plays
+        # .state: the progress of the slice this worker thread plays
+        self._local = threading.local()
 
     @contextlib.contextmanager
     def waiting(self):
-        """The calling call waits for another one: no deadline inside, its own time starts on leaving.
-        Outside `run` (no slice on this thread) it does nothing."""
+        """The calling call waits for another one: no deadline inside, its own time starts on
+        leaving. Outside `run` (no slice on this thread) it does nothing."""
         state = getattr(self._local, "state", None)
         if state is None:
             yield
@@ -85,8 +89,8 @@ class Runner:
             return []
         results: list = [None] * len(calls)
         size = -(-len(calls) // self.threads)
-        # future -> its slice's progress [next index, end, start time of the current call (None while it
-        # waits), abandoned]
+        # future -> its slice's progress [next index, end, start time of the current call (None
+        # while it waits), abandoned]
         jobs = {}
 
         def play(state):
@@ -117,7 +121,8 @@ class Runner:
         while jobs:
             now = time.monotonic()
             with self.lock:  # calls that wait have no deadline yet: look again after a full timeout
-                wait_s = min((max(0.0, s[2] + self.timeout_s - now) for s in jobs.values() if s[2] is not None),
+                wait_s = min((max(0.0, s[2] + self.timeout_s - now) for s in jobs.values()
+                              if s[2] is not None),
                              default=self.timeout_s)
             done, _ = wait(list(jobs), timeout=wait_s + 0.01, return_when=FIRST_COMPLETED)
             for f in done:
@@ -133,7 +138,8 @@ class Runner:
                 if late:
                     del jobs[f]
                     j = state[0]
-                    results[j] = Hung(f"the game did not answer within {self.timeout_s:g} s (--op-timeout)")
+                    results[j] = Hung(f"the game did not answer within {self.timeout_s:g} s "
+                                      "(--op-timeout)")
                     if j + 1 < state[1]:
                         start(j + 1, state[1])
         return results
@@ -142,22 +148,28 @@ class Runner:
 class Registry:
     """Live instances, the id counter, the cap, the create request keys and the reaper.
 
-    `lock_timeout_s` bounds how long a call waits for an instance another call is using (then: 503 busy,
-    retry later); `waiting` is the runner's `Runner.waiting`, so that such a wait is not counted against
-    the call's deadline."""
+    `lock_timeout_s` bounds how long a call waits for an instance another call is using (then: 503
+    busy, retry later); `waiting` is the runner's `Runner.waiting`, so that such a wait is not
+    counted against the call's deadline."""
 
     def __init__(self, env_cls: type[Env], world, max_instances: int, idle_timeout_s: float,
-                 lock_timeout_s: float = 60.0, first_id: int | None = None, waiting=contextlib.nullcontext):
+                 lock_timeout_s: float = 60.0, first_id: int | None = None,
+                 waiting=contextlib.nullcontext):
         self.env_cls, self.world = env_cls, world
         self.lock_timeout_s, self.waiting = lock_timeout_s, waiting
         self.num_tasks = env_cls.num_tasks(world)
         self.max_instances, self.idle_timeout_s = max_instances, idle_timeout_s
         self.instances: dict[int, Instance] = {}
-        self.keys: dict[str, int] = {}  # request_key -> id of the instance its create made, while it lives
-        self.building: dict[int, threading.Event] = {}  # reserved ids whose env is being made; set when done
+        # request_key -> id of the instance its create made, while it lives
+        self.keys: dict[str, int] = {}
+        # reserved ids whose env is being made; set when done
+        self.building: dict[int, threading.Event] = {}
         # Ids count up from a random base and are never reused, so a stale id can't hit a new game,
-        # not even one of the next server started on this port.
-        self.first_id = self.next_id = random.randrange(1, 2000) * 1_000_000 if first_id is None else first_id
+        # not even one of the next server started on this port. The base comes from the OS, not the
+        # process's `random`, which a trainer seeds: two servers started after the same seed would
+        # otherwise draw the same base.
+        self.first_id = self.next_id = (random.SystemRandom().randrange(1, 2000) * 1_000_000
+                                        if first_id is None else first_id)
         self.lock = threading.Lock()
         self.reaped = 0
         self._stop = threading.Event()
@@ -165,8 +177,9 @@ class Registry:
             threading.Thread(target=self._reap_loop, name="env-reaper", daemon=True).start()
 
     def create(self, key: str | None = None) -> int:
-        """The id of a new instance; with a `key`, that of the live instance a create with this key made,
-        if any: a client retrying a create whose answer it lost must not leave an orphan holding a slot."""
+        """The id of a new instance; with a `key`, that of the live instance a create with this key
+        made, if any: a client retrying a create whose answer it lost must not leave an orphan
+        holding a slot."""
         while True:
             with self.lock:
                 iid = self.keys.get(key) if key is not None else None
@@ -176,12 +189,13 @@ class Registry:
                 built = self.building.get(iid)
                 if built is None:
                     return iid
-            # The first create with this key is still making its env: wait for it; if it failed, the key
-            # is free again and the next round makes the instance.
+            # The first create with this key is still making its env: wait for it; if it failed, the
+            # key is free again and the next round makes the instance.
             with self.waiting():
                 if not built.wait(self.lock_timeout_s):
-                    raise ApiError(503, f"a create with this request_key has been making instance {iid} for "
-                                        f"{self.lock_timeout_s:g} s; retry later", retry_after=1)
+                    raise ApiError(503, "a create with this request_key has been making instance "
+                                        f"{iid} for {self.lock_timeout_s:g} s; retry later",
+                                   retry_after=1)
         try:
             inst = Instance(self.env_cls(self.world), key)
         except BaseException:
@@ -200,7 +214,8 @@ class Registry:
         """A new id with its slot (under self.lock): env construction may be slow (a JVM)."""
         if len(self.instances) >= self.max_instances:
             raise ApiError(503, f"server full: {len(self.instances)} live instances (cap "
-                                f"--max-instances={self.max_instances}); close instances or raise the cap")
+                                f"--max-instances={self.max_instances}); close instances or raise "
+                                "the cap")
         iid, self.next_id = self.next_id, self.next_id + 1
         self.instances[iid] = None
         self.building[iid] = threading.Event()
@@ -232,10 +247,10 @@ class Registry:
 
     @contextlib.contextmanager
     def hold(self, iid: int, inst: Instance):
-        """The instance's lock, for one call into its game. The call's deadline starts once it holds it
-        (the wait is another call's time); waiting longer than `lock_timeout_s` behind healthy calls is a
-        503 busy with Retry-After, which leaves the instance as it is; behind a call declared hung, the
-        instance's "hung" 503 as soon as it is marked."""
+        """The instance's lock, for one call into its game. The call's deadline starts once it holds
+        it (the wait is another call's time); waiting longer than `lock_timeout_s` behind healthy
+        calls is a 503 busy with Retry-After, which leaves the instance as it is; behind a call
+        declared hung, the instance's "hung" 503 as soon as it is marked."""
         give_up = time.monotonic() + self.lock_timeout_s
         with self.waiting():
             while not inst.lock.acquire(timeout=0.05):  # returns at once when the lock is freed
@@ -244,15 +259,17 @@ class Registry:
                 if inst.closed:
                     raise ApiError(404, f"instance {iid} is closed")
                 if time.monotonic() > give_up:
-                    raise ApiError(503, f"instance {iid} is busy: other calls into its game have held it for "
-                                        f"{self.lock_timeout_s:g} s; retry later", retry_after=1)
+                    raise ApiError(503, f"instance {iid} is busy: other calls into its game have "
+                                        f"held it for {self.lock_timeout_s:g} s; retry later",
+                                   retry_after=1)
         try:
             if inst.closed:
                 raise ApiError(404, f"instance {iid} is closed")
             inst.last_used = time.monotonic()
             yield inst
         finally:
-            inst.last_used = time.monotonic()  # idle time counts from the end of a call, however long
+            # idle time counts from the end of a call, however long
+            inst.last_used = time.monotonic()
             inst.lock.release()
 
     def mark_hung(self, iid) -> None:
@@ -271,8 +288,8 @@ class Registry:
             self._drop(iid, inst)
 
     def _drop(self, iid: int, inst: Instance) -> None:
-        """Unlist and close an instance. A hung one is closed on a thread of its own: closing may be what
-        frees its stuck call (a JVM killed), or may hang as well."""
+        """Unlist and close an instance. A hung one is closed on a thread of its own: closing may be
+        what frees its stuck call (a JVM killed), or may hang as well."""
         inst.closed = True
         with self.lock:
             self._unlist(iid, inst)
@@ -300,7 +317,8 @@ class Registry:
             idle = [(i, x) for i, x in self.instances.items()
                     if x is not None and now - x.last_used > self.idle_timeout_s]
         for iid, inst in idle:
-            if inst.hung:  # abandoned by its client after the deadline; its lock is never coming back
+            # abandoned by its client after the deadline; its lock is never coming back
+            if inst.hung:
                 if not inst.closed:
                     self._drop(iid, inst)
                     n += 1

@@ -1,8 +1,9 @@
 """The env server as a child process of a script: `ServerProcess` and `serving`.
 
-Kept apart from app.py so that the scripts (train.py, eval.py, sft.py) never import Flask: their process
-holds the model and the generation engine, and vLLM's worker, while it starts, reads an attribute of every
-global of every loaded module, which Flask's request proxies refuse outside a request.
+Kept apart from app.py so that the scripts (train.py, eval.py, sft.py) never import Flask: their
+process holds the model and the generation engine, and vLLM's worker, while it starts, reads an
+attribute of every global of every loaded module, which Flask's request proxies refuse outside a
+request.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import threading
 
 
 class ServerProcess:
-    """`python -m env_server NAME` in a child process, on a free port; `.url`, `.stop()`, `.restart()`.
+    """`python -m env_server NAME` in a child process, on a free port; `.url`, `.stop()`,
+    `.restart()`.
 
-    Used by train.py when no `--env-addr` is given, and by tests and benches. A separate process keeps
-    the env off the trainer's GIL. It runs in its own session, so a Ctrl-C meant for the trainer does not
-    kill it mid-step (the trainer stops it), and it exits by itself if the trainer dies.
+    Used by train.py when no `--env-addr` is given, and by tests and benches. A separate process
+    keeps the env off the trainer's GIL. It runs in its own session, so a Ctrl-C meant for the
+    trainer does not kill it mid-step (the trainer stops it), and it exits by itself if the trainer
+    dies.
     """
 
     def __init__(self, name: str, *args: str, host: str = "127.0.0.1", port: int = 0,
@@ -30,25 +33,30 @@ class ServerProcess:
         self._launch(port)
 
     def _launch(self, port: int) -> None:
-        cmd = [sys.executable, "-m", "env_server", self.name, "--host", self.host, "--port", str(port),
-               "--parent-pid", str(os.getpid()), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cmd = [sys.executable, "-m", "env_server", self.name, "--host", self.host, "--port",
+               str(port), "--parent-pid", str(os.getpid()), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=self.env,
+                                     cwd=os.path.dirname(
+                                         os.path.dirname(os.path.abspath(__file__))),
                                      start_new_session=True)
         self.stderr_tail: list[str] = []
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put("")],
                          daemon=True).start()
-        # Keep the last lines of stderr for error messages; reading also keeps the pipe from filling.
+        # Keep the last lines of stderr for error messages; reading also keeps the pipe from
+        # filling.
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         try:
             line = lines.get(timeout=self.start_timeout_s)
         except queue.Empty:
             self.stop()
-            raise RuntimeError(f"env server {self.name!r} did not start within {self.start_timeout_s:g} s") from None
+            raise RuntimeError(f"env server {self.name!r} did not start within "
+                               f"{self.start_timeout_s:g} s") from None
         if not line.startswith("serving "):
             self.proc.wait(10)
-            raise RuntimeError(f"env server {self.name!r} exited with code {self.proc.returncode}:\n"
+            raise RuntimeError(f"env server {self.name!r} exited with code "
+                               f"{self.proc.returncode}:\n"
                                + "".join(self.stderr_tail[-30:]))
         self.url = line.split(" on ", 1)[1].strip()
         self.port = int(self.url.rsplit(":", 1)[1])
@@ -85,8 +93,9 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def serving(name: str, env_addr: str | None = None, **kw):
-    """(url, server) of the env server a script plays on: `env_addr` as given (server None), else a local
-    `python -m env_server NAME` (a ServerProcess, `kw` its options) started for the duration."""
+    """(url, server) of the env server a script plays on: `env_addr` as given (server None), else a
+    local `python -m env_server NAME` (a ServerProcess, `kw` its options) started for the
+    duration."""
     if env_addr:
         yield env_addr, None
         return

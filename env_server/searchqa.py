@@ -3,30 +3,33 @@
 The game of Search-R1 (Jin et al., 2025) as AgentGym serves it (agentenv-searchqa), re-implemented.
 An action is the first `<search>..</search>` or `<answer>..</answer>` block of the agent's reply:
 
-    <search>query</search>  -> "<information>Doc 1(Title: "T") text\\nDoc 2(...) ...</information>" (top-k)
+    <search>query</search>  -> "<information>Doc 1(Title: "T") text\\nDoc 2(...) ...</information>"
+                               (top-k)
     <answer>text</answer>   -> right: "Congratulations! ..." with reward 1, done;
-                               wrong: "Sorry, your answer is incorrect. Please try again.", reward 0, not done
+                               wrong: "Sorry, your answer is incorrect. Please try again.",
+                               reward 0, not done
     anything else           -> "Your previous action is invalid. ..." (upstream's hint), reward 0
 
-An answer is right when it equals one of the gold answers after SQuAD's normalisation (lower case, no
-punctuation, no articles a/an/the, single spaces), as Search-R1's exact-match reward. The first
-observation is a short how-to-play note (this project's wording) ending in "Question: ...". Passages render as Search-R1's
-`_passages2string`: the corpus stores a passage as `"Title"\\ntext` and shows it as `Doc i(Title: "Title")
-text`, one per line.
+An answer is right when it equals one of the gold answers after SQuAD's normalisation (lower case,
+no punctuation, no articles a/an/the, single spaces), as Search-R1's exact-match reward. The first
+observation is a short how-to-play note (this project's wording) ending in "Question: ...". Passages
+render as Search-R1's `_passages2string`: the corpus stores a passage as `"Title"\\ntext` and shows
+it as `Doc i(Title: "Title") text`, one per line.
 
 Retrieval: BM25 (the `bm25s` library, CPU) over a local JSONL corpus ({"id", "title", "text"}, or
-Search-R1's {"id", "contents"}), indexed once and cached on disk under a key of the corpus file's path,
-size and mtime; or, with `--retriever-url`, any server speaking Search-R1's `POST /retrieve` (its e5
-dense index over Wikipedia, on a GPU). Questions: FlashRAG-style JSONL ({"question", "golden_answers",
-"data_source"}, optionally "id" and the expert's "hops"); task ids in the order the files are given,
-rows in file order. The shipped world is made up (env_server/searchqa_data.py writes it): 288 pages about
-invented people, towns, companies and inventions, 180 one-hop and 180 two-hop questions.
+Search-R1's {"id", "contents"}), indexed once and cached on disk under a key of the corpus file's
+path, size and mtime; or, with `--retriever-url`, any server speaking Search-R1's `POST /retrieve`
+(its e5 dense index over Wikipedia, on a GPU). Questions: FlashRAG-style JSONL ({"question",
+"golden_answers", "data_source"}, optionally "id" and the expert's "hops"); task ids in the order
+the files are given, rows in file order. The shipped world is made up (env_server/searchqa_data.py
+writes it): 288 pages about invented people, towns, companies and inventions, 180 one-hop and 180
+two-hop questions.
 
 Departures from upstream:
-- the env stops an episode after `--max-steps` actions (30, upstream's evaluation horizon; its server
-  has no limit of its own, its trainer stops at 5-10 rounds);
-- the first tag block is the action, also for scoring (upstream scores the last <answer> of the reply;
-  this project's client sends only the first block, so both read the same answer);
+- the env stops an episode after `--max-steps` actions (30, upstream's evaluation horizon; its
+  server has no limit of its own, its trainer stops at 5-10 rounds);
+- the first tag block is the action, also for scoring (upstream scores the last <answer> of the
+  reply; this project's client sends only the first block, so both read the same answer);
 - a step after done, a bad task id or a non-string action is an error (upstream: undefined);
 - BM25 on CPU instead of e5 + FAISS; a search that matches no indexed word returns no passages
   (Pyserini's BM25 does the same), rendered "<information></information>".
@@ -55,7 +58,8 @@ import numpy as np
 from .base import Env, StepResult, TaskError
 
 log = logging.getLogger("env_server.searchqa")
-logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets its own logger to DEBUG: chatty in server logs
+# bm25s sets its own logger to DEBUG: chatty in server logs
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 CORPUS_PATH = os.path.join(DATA_DIR, "searchqa_corpus.jsonl")
@@ -64,33 +68,35 @@ DEFAULT_INDEX_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.exp
                                  "agentgym-rl-mini", "searchqa")
 TOPK = 3  # upstream's SEARCHQA_RETRIEVAL_TOPK
 MAX_STEPS = 30  # upstream's evaluation max_rounds for searchqa
-TEST_EVERY = 5  # the split rule: row k of each data source (counting from 0) is a test task when k % 5 == 0
-INDEX_VERSION = f"bm25s-{bm25s.__version__}-lower-en-stopwords"  # part of the cache key: the tokenizer's settings
+# the split rule: row k of each data source (counting from 0) is a test task when k % 5 == 0
+TEST_EVERY = 5
+# part of the cache key: the tokenizer's settings
+INDEX_VERSION = f"bm25s-{bm25s.__version__}-lower-en-stopwords"
 
 # Upstream's texts, verbatim: agents trained on its transcripts have seen exactly these.
 PROMPT = (
     "Think inside <think>...</think> before every move. When you are missing a fact, write one "
     "<search>query</search> and stop there: the passages it finds come back inside "
-    "<information>...</information>. Never write <information> yourself. Search as often as you need; "
-    "once you are sure, give a short final answer inside <answer>...</answer>, e.g. <answer> Paris </answer>."
-    "\n\nQuestion: {question}")
+    "<information>...</information>. Never write <information> yourself. Search as often as you "
+    "need; once you are sure, give a short final answer inside <answer>...</answer>, e.g. <answer> "
+    "Paris </answer>.\n\nQuestion: {question}")
 CORRECT = "Congratulations! You have answered the question correctly."
 WRONG = "Sorry, your answer is incorrect. Please try again."
-INVALID = ("Your previous action is invalid. If you want to search, you should put the query between "
-           "<search> and </search>. If you want to give the final answer, you should put the answer between "
-           "<answer> and </answer>. Please try again.")
+INVALID = ("Your previous action is invalid. If you want to search, you should put the query "
+           "between <search> and </search>. If you want to give the final answer, you should put "
+           "the answer between <answer> and </answer>. Please try again.")
 
 _OPEN_TAG = re.compile(r"<(search|answer)>")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _NO_PUNCT = str.maketrans("", "", string.punctuation)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Answers
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def normalize_answer(s: str) -> str:
-    """SQuAD's normalisation, in Search-R1's order: lower case, drop punctuation, drop articles, then
-    collapse whitespace. "The Essel-River!" -> "esselriver"."""
+    """SQuAD's normalisation, in Search-R1's order: lower case, drop punctuation, drop articles,
+    then collapse whitespace. "The Essel-River!" -> "esselriver"."""
     return " ".join(_ARTICLES.sub(" ", s.lower().translate(_NO_PUNCT)).split())
 
 
@@ -114,9 +120,9 @@ def first_tag(action: str) -> tuple[str, str] | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Corpus and retrieval
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Passage:
     doc_id: str
@@ -125,7 +131,8 @@ class Passage:
 
 
 def format_passages(passages: list[Passage]) -> str:
-    """Search-R1's `_passages2string`: the first line of a passage is its title, the rest its text."""
+    """Search-R1's `_passages2string`: the first line of a passage is its title, the rest its
+    text."""
     out = []
     for i, p in enumerate(passages, 1):
         title, _, text = p.contents.partition("\n")
@@ -134,7 +141,8 @@ def format_passages(passages: list[Passage]) -> str:
 
 
 def read_corpus(path: str) -> tuple[list[str], list[str]]:
-    """(ids, contents) of a JSONL corpus: {"id", "title", "text"} or Search-R1's {"id", "contents"}."""
+    """(ids, contents) of a JSONL corpus: {"id", "title", "text"} or Search-R1's {"id",
+    "contents"}."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--corpus: no such file: {path}")
     ids, contents = [], []
@@ -151,8 +159,8 @@ def read_corpus(path: str) -> tuple[list[str], list[str]]:
                 if not isinstance(text, str):
                     raise TypeError("contents/title/text must be strings")
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"--corpus {path}:{lineno}: need {{\"id\", \"title\", \"text\"}} or "
-                                 f"{{\"id\", \"contents\"}} ({type(e).__name__}: {e})") from None
+                raise ValueError(f"--corpus {path}:{lineno}: need {{\"id\", \"title\", \"text\"}} "
+                                 f"or {{\"id\", \"contents\"}} ({type(e).__name__}: {e})") from None
             ids.append(str(row.get("id", len(ids))))
             contents.append(text)
     if not ids:
@@ -165,9 +173,9 @@ def _tokenize(texts: list[str]) -> list[list[str]]:
 
 
 class BM25Index:
-    """BM25 over a local corpus file, built once and cached in `index_dir/<file>-<key>/`, where the key
-    hashes the file's absolute path, size and mtime and the tokenizer's settings: an edited corpus gets
-    a new index, an unchanged one is loaded (`built` False) instead of rebuilt."""
+    """BM25 over a local corpus file, built once and cached in `index_dir/<file>-<key>/`, where the
+    key hashes the file's absolute path, size and mtime and the tokenizer's settings: an edited
+    corpus gets a new index, an unchanged one is loaded (`built` False) instead of rebuilt."""
 
     def __init__(self, corpus_path: str, index_dir: str):
         self.ids, self.contents = read_corpus(corpus_path)
@@ -188,14 +196,16 @@ class BM25Index:
         if not os.path.isfile(os.path.join(self.path, "params.index.json")):
             return None
         bm25 = bm25s.BM25.load(self.path, show_progress=False)
-        if bm25.scores["num_docs"] != len(self.ids):  # a damaged cache: rebuild rather than misanswer
+        # a damaged cache: rebuild rather than misanswer
+        if bm25.scores["num_docs"] != len(self.ids):
             log.warning("cached BM25 index %s has %d docs, the corpus %d: rebuilding", self.path,
                         bm25.scores["num_docs"], len(self.ids))
             return None
         return bm25
 
     def _save(self) -> None:
-        # Written to a temporary folder and renamed, so a concurrent server never reads half an index.
+        # Written to a temporary folder and renamed, so a concurrent server never reads half an
+        # index.
         parent = os.path.dirname(self.path)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -205,16 +215,20 @@ class BM25Index:
                 shutil.rmtree(self.path, ignore_errors=True)
             os.replace(tmp, self.path)
         except OSError as e:
-            log.warning("cannot cache the BM25 index in %s (%s): it will be rebuilt at the next start", parent, e)
+            log.warning("cannot cache the BM25 index in %s (%s): it will be rebuilt at the next "
+                        "start", parent, e)
 
     def search(self, query: str, k: int) -> list[Passage]:
-        token_ids = self.bm25.get_tokens_ids(_tokenize([query])[0])  # words not in the corpus drop out
+        # words not in the corpus drop out
+        token_ids = self.bm25.get_tokens_ids(_tokenize([query])[0])
         if not token_ids:
             return []
         scores = self.bm25.get_scores_from_ids(token_ids)  # (N,)
         top = np.argpartition(-scores, k - 1)[:k] if len(scores) > k else np.arange(len(scores))
-        top = sorted(top.tolist(), key=lambda i: (-scores[i], i))  # best first; ties by corpus order
-        return [Passage(self.ids[i], self.contents[i], float(scores[i])) for i in top if scores[i] > 0]
+        # best first; ties by corpus order
+        top = sorted(top.tolist(), key=lambda i: (-scores[i], i))
+        return [Passage(self.ids[i], self.contents[i], float(scores[i])) for i in top
+                if scores[i] > 0]
 
 
 class RetrievalError(RuntimeError):
@@ -228,41 +242,47 @@ class RemoteRetriever:
 
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--retriever-url must be an http(s) URL such as http://127.0.0.1:8000/retrieve, "
-                             f"got {url!r}")
+            raise ValueError(f"--retriever-url must be an http(s) URL such as "
+                             f"http://127.0.0.1:8000/retrieve, got {url!r}")
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
 
     def search(self, query: str, k: int) -> list[Passage]:
         body = json.dumps({"queries": [query], "topk": k, "return_scores": True}).encode()
-        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url, data=body,
+                                     headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     raw = resp.read()
                 break
-            except urllib.error.HTTPError as e:  # the server answered: retrying will not change its mind
-                raise RetrievalError(f"retriever {self.url} answered HTTP {e.code}: {e.read()[:200]!r}") from None
+            # the server answered: retrying will not change its mind
+            except urllib.error.HTTPError as e:
+                raise RetrievalError(f"retriever {self.url} answered HTTP {e.code}: "
+                                     f"{e.read()[:200]!r}") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 if attempt == self.retries:
-                    raise RetrievalError(f"retriever {self.url} unreachable after {attempt + 1} tries: "
-                                         f"{e}") from None
+                    raise RetrievalError(f"retriever {self.url} unreachable after {attempt + 1} "
+                                         f"tries: {e}") from None
                 time.sleep(0.2 * 2 ** attempt)
         try:
             items = json.loads(raw)["result"][0]
             out = []
-            for item in items:  # with return_scores the document is wrapped; without it, it is the item
+            # with return_scores the document is wrapped; without it, it is the item
+            for item in items:
                 doc = item["document"] if "document" in item else item
-                contents = doc["contents"] if "contents" in doc else f'"{doc["title"]}"\n{doc["text"]}'
-                out.append(Passage(str(doc.get("id", "")), str(contents), float(item.get("score", 0.0))))
+                contents = (doc["contents"] if "contents" in doc
+                            else f'"{doc["title"]}"\n{doc["text"]}')
+                out.append(Passage(str(doc.get("id", "")), str(contents),
+                                   float(item.get("score", 0.0))))
             return out[:k]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise RetrievalError(f"retriever {self.url} answered an unreadable result ({type(e).__name__}: {e}): "
-                                 f"{raw[:200]!r}") from None
+            raise RetrievalError(f"retriever {self.url} answered an unreadable result "
+                                 f"({type(e).__name__}: {e}): {raw[:200]!r}") from None
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Questions
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hop:
     query: str  # the search the expert makes
@@ -279,9 +299,10 @@ class Question:
 
 
 def read_questions(specs: list[str]) -> tuple[list[Question], dict[str, list[int]]]:
-    """Questions and train/test ids from `--qa` specs: `PATH`, `train=PATH` or `test=PATH`. Ids follow the
-    specs' order, then file order. A prefixed file goes whole into that split; rows of a plain file follow
-    the rule: per data source, every TEST_EVERY-th row (the 0th, 5th, ...) is a test task."""
+    """Questions and train/test ids from `--qa` specs: `PATH`, `train=PATH` or `test=PATH`. Ids
+    follow the specs' order, then file order. A prefixed file goes whole into that split; rows of a
+    plain file follow the rule: per data source, every TEST_EVERY-th row (the 0th, 5th, ...) is a
+    test task."""
     questions: list[Question] = []
     splits: dict[str, list[int]] = {"train": [], "test": []}
     seen_per_source: Counter = Counter()
@@ -328,9 +349,9 @@ def _question(row: dict, where: str, default_source: str) -> Question:
                     str(row.get("data_source", default_source)), hops)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # World: questions, splits and the retriever; built once per process, read-only afterwards
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class World:
     questions: tuple[Question, ...]
@@ -342,25 +363,28 @@ class World:
 
 class SearchQAEnv(Env):
     name = "searchqa"
-    bare_answers = True  # AgentGym's SearchQA client reads a bare id from /create and a bare /reset (app.py)
+    # AgentGym's SearchQA client reads a bare id from /create and a bare /reset (app.py)
+    bare_answers = True
     batch_threads = 8  # /batch steps instances in parallel: a remote retriever waits on the network
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--corpus", default=None, metavar="PATH",
-                            help="JSONL passages {id, title, text} or {id, contents} to index with BM25; "
-                                 "default: the shipped made-up corpus")
+                            help="JSONL passages {id, title, text} or {id, contents} to index with "
+                                 "BM25; default: the shipped made-up corpus")
         parser.add_argument("--qa", nargs="+", default=None, metavar="[SPLIT=]PATH",
-                            help="JSONL questions {question, golden_answers, data_source}; task ids follow "
-                                 "the order given; 'train=PATH'/'test=PATH' put a whole file in a split, a "
-                                 f"plain PATH sends every {TEST_EVERY}th question of each data source to "
-                                 "test; default: the shipped made-up questions")
+                            help="JSONL questions {question, golden_answers, data_source}; task "
+                                 "ids follow the order given; 'train=PATH'/'test=PATH' put a whole "
+                                 f"file in a split, a plain PATH sends every {TEST_EVERY}th "
+                                 "question of each data source to test; default: the shipped "
+                                 "made-up questions")
         parser.add_argument("--retriever-url", default=None, metavar="URL",
-                            help="search with a Search-R1 retrieval server (e.g. http://127.0.0.1:8000/retrieve) "
-                                 "instead of local BM25")
+                            help="search with a Search-R1 retrieval server (e.g. "
+                                 "http://127.0.0.1:8000/retrieve) instead of local BM25")
         parser.add_argument("--index-dir", default=None, metavar="DIR",
                             help=f"where BM25 indexes are cached (default: {DEFAULT_INDEX_DIR})")
-        parser.add_argument("--topk", type=int, default=TOPK, help="passages per search (default: %(default)s)")
+        parser.add_argument("--topk", type=int, default=TOPK,
+                            help="passages per search (default: %(default)s)")
         parser.add_argument("--max-steps", type=int, default=MAX_STEPS,
                             help="actions before an episode ends unanswered (default: %(default)s)")
 
@@ -373,25 +397,22 @@ class SearchQAEnv(Env):
         if max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
         if corpus and url:
-            raise ValueError("--corpus and --retriever-url exclude each other: a retrieval server searches its "
-                             "own corpus")
+            raise ValueError("--corpus and --retriever-url exclude each other: a retrieval server "
+                             "searches its own corpus")
         qa = getattr(args, "qa", None) or [QA_PATH]
         questions, splits = read_questions([qa] if isinstance(qa, str) else list(qa))
         if url:
             retriever = RemoteRetriever(url)
         else:
-            retriever = BM25Index(corpus or CORPUS_PATH, getattr(args, "index_dir", None) or DEFAULT_INDEX_DIR)
-            log.info("BM25 index %s %s in %.2f s", retriever.path, "built" if retriever.built else "loaded",
-                     retriever.load_s)
+            retriever = BM25Index(corpus or CORPUS_PATH, getattr(args, "index_dir", None)
+                                  or DEFAULT_INDEX_DIR)
+            log.info("BM25 index %s %s in %.2f s", retriever.path,
+                     "built" if retriever.built else "loaded", retriever.load_s)
         return World(tuple(questions), splits, retriever, topk, max_steps)
 
     @classmethod
     def num_tasks(cls, world: World) -> int:
         return len(world.questions)
-
-    @classmethod
-    def splits(cls, world: World) -> dict[str, list[int]]:
-        return {k: list(v) for k, v in world.splits.items()}
 
     @classmethod
     def task_category(cls, world: World, idx: int) -> str:
@@ -447,7 +468,8 @@ class SearchQAEnv(Env):
         return StepResult(observation, reward, self.done, info=info)
 
     def observation(self) -> str:
-        """The latest observation (the question prompt right after reset), as upstream's /observation."""
+        """The latest observation (the question prompt right after reset), as upstream's
+        /observation."""
         if self.q is None:
             raise TaskError("no task: call reset first", 409)
         return self.last_observation
@@ -473,8 +495,8 @@ class SearchQAEnv(Env):
         }
 
     def expert_action(self) -> str | None:
-        """Search the next hop whose page has not been shown yet (nor searched for: a failed search is not
-        repeated), then answer with the first gold answer. None once done or before reset."""
+        """Search the next hop whose page has not been shown yet (nor searched for: a failed search
+        is not repeated), then answer with the first gold answer. None once done or before reset."""
         if self.q is None or self.done:
             return None
         for hop in self.q.hops:
@@ -484,7 +506,8 @@ class SearchQAEnv(Env):
 
 
 def main() -> None:
-    """`python -m env_server.searchqa [flags]`: the world's sizes, the index time, the expert's recall."""
+    """`python -m env_server.searchqa [flags]`: the world's sizes, the index time, the expert's
+    recall."""
     parser = argparse.ArgumentParser(description="SearchQA world tools")
     SearchQAEnv.add_args(parser)
     args = parser.parse_args()
@@ -496,7 +519,8 @@ def main() -> None:
     hops = [h for q in world.questions for h in q.hops if h.doc is not None]
     if hops:
         t0 = time.perf_counter()
-        found = sum(h.doc in {p.doc_id for p in world.retriever.search(h.query, world.topk)} for h in hops)
+        found = sum(h.doc in {p.doc_id for p in world.retriever.search(h.query, world.topk)}
+                    for h in hops)
         ms = (time.perf_counter() - t0) / len(hops) * 1e3
         print(f"expert's searches: gold page in the top {world.topk} for {found}/{len(hops)}; "
               f"{ms:.2f} ms per search")

@@ -1,24 +1,24 @@
-"""Generate SearchQA's shipped corpus and questions: a small made-up world, so that no model can answer
-from memory and every answer has to be searched for.
+"""Generate SearchQA's shipped corpus and questions: a small made-up world, so that no model can
+answer from memory and every answer has to be searched for.
 
-    python -m env_server.searchqa_data            # rewrites env_server/data/searchqa_{corpus,qa}.jsonl
+    python -m env_server.searchqa_data  # rewrites env_server/data/searchqa_{corpus,qa}.jsonl
 
 The world: towns (in a region, on a river), people (born in a town in a year, with an occupation),
 companies (a founder, a founding year, a headquarters town) and inventions (an inventor, a year, a
-manufacturer). Every fact is stated once, on its subject's own page, so a two-hop question ("In which
-town was the founder of Zorvex Labs born?") needs two searches: the company's page names the founder,
-the founder's page names the town. Names come in families that share a word ("Zorvex Labs" and "Zorvex
-Motors", "Oriel Vantrask" and "Maren Vantrask", "Velmora" and "East Velmora"), so a search returns
-look-alike pages next to the right one.
+manufacturer). Every fact is stated once, on its subject's own page, so a two-hop question ("In
+which town was the founder of Zorvex Labs born?") needs two searches: the company's page names the
+founder, the founder's page names the town. Names come in families that share a word ("Zorvex Labs"
+and "Zorvex Motors", "Oriel Vantrask" and "Maren Vantrask", "Velmora" and "East Velmora"), so a
+search returns look-alike pages next to the right one.
 
 Output, one JSON object per line:
 - corpus: {"id", "title", "text"};
 - questions (FlashRAG's fields plus the expert's route): {"id", "question", "golden_answers",
-  "data_source": "synthetic_1hop" | "synthetic_2hop", "hops": [{"query", "doc"}, ...]}, where each hop is
-  the search the expert makes and the id of the page that answers it.
+  "data_source": "synthetic_1hop" | "synthetic_2hop", "hops": [{"query", "doc"}, ...]}, where each
+  hop is the search the expert makes and the id of the page that answers it.
 
-Everything is drawn from `random.Random(SEED)` over lists (never sets), so the files are the same bytes
-on every machine; tests/test_searchqa.py regenerates them and compares.
+Everything is drawn from `random.Random(SEED)` over lists (never sets), so the files are the same
+bytes on every machine; tests/test_searchqa.py regenerates them and compares.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ SEED = 0
 N_REGIONS, N_RIVERS, N_TOWNS, N_PEOPLE, N_COMPANIES, N_INVENTIONS = 8, 16, 48, 120, 60, 60
 N_QUESTIONS = 180  # per data source
 
-# Name parts. Onsets, vowels and codas make invented words; suffixes make them read as a kind of thing.
-ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st", "t",
-          "tr", "v", "z", "th", "h", "c", "sk", "w"]
+# Name parts. Onsets, vowels and codas make invented words; suffixes make them read as a kind of
+# thing.
+ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st",
+          "t", "tr", "v", "z", "th", "h", "c", "sk", "w"]
 VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou"]
 CODAS = ["", "", "n", "r", "l", "s", "x", "v", "sk", "nd", "rt", "m", "th"]
 TOWN_ENDS = ["bury", "holm", "stead", "wick", "mora", "dale", "ford", "ton", "mere", "gate"]
 REGION_ENDS = ["mark", "land", "ia", "shire"]
 COMPANY_KINDS = ["Labs", "Works", "Motors", "Systems", "Industries", "Foundry"]
-DEVICES = ["Loom", "Engine", "Lamp", "Press", "Pump", "Valve", "Compass", "Kiln", "Telegraph", "Lathe"]
+DEVICES = ["Loom", "Engine", "Lamp", "Press", "Pump", "Valve", "Compass", "Kiln", "Telegraph",
+           "Lathe"]
 QUARTERS = ["East", "West", "North", "South", "Upper", "Lower"]
 OCCUPATIONS = ["chemist", "engineer", "clockmaker", "architect", "botanist", "cartographer",
                "glassblower", "physician", "metallurgist", "shipwright", "astronomer", "printer"]
@@ -63,9 +65,9 @@ class Names:
                 return w
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The world
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def make_world(rng: random.Random) -> dict:
     names = Names(rng)
     regions = [names.word(2, rng.choice(REGION_ENDS)) for _ in range(N_REGIONS)]
@@ -93,8 +95,9 @@ def make_world(rng: random.Random) -> dict:
             first, last = names.word(2), names.word(rng.choice([2, 3]))
         if any(p["first"] == first and p["last"] == last for p in people):
             continue
-        people.append({"name": f"{first} {last}", "first": first, "last": last, "town": rng.choice(towns)["name"],
-                       "year": rng.randint(1780, 1900), "occupation": rng.choice(OCCUPATIONS)})
+        people.append({"name": f"{first} {last}", "first": first, "last": last,
+                       "town": rng.choice(towns)["name"], "year": rng.randint(1780, 1900),
+                       "occupation": rng.choice(OCCUPATIONS)})
 
     companies = []
     founders = rng.sample(people, N_COMPANIES)  # one company per founder
@@ -108,7 +111,8 @@ def make_world(rng: random.Random) -> dict:
             continue
         founder = founders[len(companies)]
         companies.append({"name": name, "stem": stem, "founder": founder["name"],
-                          "year": founder["year"] + rng.randint(22, 50), "hq": rng.choice(towns)["name"]})
+                          "year": founder["year"] + rng.randint(22, 50),
+                          "hq": rng.choice(towns)["name"]})
 
     inventions = []
     while len(inventions) < N_INVENTIONS:
@@ -121,7 +125,8 @@ def make_world(rng: random.Random) -> dict:
             continue
         inventor = rng.choice(people)
         inventions.append({"name": name, "stem": stem, "inventor": inventor["name"],
-                           "year": inventor["year"] + rng.randint(20, 45), "maker": rng.choice(companies)["name"]})
+                           "year": inventor["year"] + rng.randint(20, 45),
+                           "maker": rng.choice(companies)["name"]})
     return {"towns": towns, "people": people, "companies": companies, "inventions": inventions}
 
 
@@ -131,37 +136,41 @@ def pages(world: dict, rng: random.Random) -> list[dict]:
     for t in world["towns"]:
         n, r, v = t["name"], t["region"], t["river"]
         out.append((n, rng.choice([
-            f"{n} is a town in the {r} region. The {v} flows through {n}, and the town grew up around its "
-            f"river mills.",
-            f"The {v} flows through {n}, a market town in the {r} region known for its stone bridges.",
+            f"{n} is a town in the {r} region. The {v} flows through {n}, and the town grew up "
+            f"around its river mills.",
+            f"The {v} flows through {n}, a market town in the {r} region known for its stone "
+            "bridges.",
         ])))
     for p in world["people"]:
         n, last, t, y = p["name"], p["last"], p["town"], p["year"]
         o = ("an " if p["occupation"][0] in "aeiou" else "a ") + p["occupation"]
         out.append((n, rng.choice([
-            f"{n} was {o} born in {t} in {y}. {last} kept detailed notebooks throughout a long career.",
+            f"{n} was {o} born in {t} in {y}. {last} kept detailed notebooks throughout a long "
+            "career.",
             f"{n} (born {y} in {t}) was {o}. Colleagues described {last} as patient and exacting.",
         ])))
     for c in world["companies"]:
         n, f, y, hq = c["name"], c["founder"], c["year"], c["hq"]
         out.append((n, rng.choice([
-            f"{n} is a company headquartered in {hq}. It was founded in {y} by {f}, its founder and first "
-            f"director.",
+            f"{n} is a company headquartered in {hq}. It was founded in {y} by {f}, its founder "
+            f"and first director.",
             f"{n} was founded in {y}. Its founder was {f}. The company is headquartered in {hq}.",
         ])))
     for i in world["inventions"]:
         n, who, y, m = i["name"], i["inventor"], i["year"], i["maker"]
         out.append((n, rng.choice([
             f"The {n} is a machine invented by {who} in {y}. Today it is manufactured by {m}.",
-            f"{who} invented the {n} in {y}. The {n} is manufactured by {m} and sold across the region.",
+            f"{who} invented the {n} in {y}. The {n} is manufactured by {m} and sold across the "
+            "region.",
         ])))
     rng.shuffle(out)
-    return [{"id": f"d{k:04d}", "title": title, "text": text} for k, (title, text) in enumerate(out)]
+    return [{"id": f"d{k:04d}", "title": title, "text": text}
+            for k, (title, text) in enumerate(out)]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Questions
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def aliases(kind: str, value, people: list[dict]) -> list[str]:
     """Gold answers: the name as written, then forms a reader may fairly give instead."""
     if kind == "person":
@@ -188,21 +197,28 @@ def make_questions(world: dict, docs: list[dict], rng: random.Random) -> list[di
 
     # Each kind: (entity list, question template, lambda entity -> (hops, answer kind, answer)).
     one_hop = [
-        ("people", "In which town was {} born?", lambda e: ([hop(e["name"], "born")], "town", e["town"])),
-        ("people", "In what year was {} born?", lambda e: ([hop(e["name"], "born")], "year", e["year"])),
-        ("people", "What was the occupation of {}?", lambda e: ([hop(e["name"], "occupation")], "job",
-                                                                e["occupation"])),
-        ("companies", "Who founded {}?", lambda e: ([hop(e["name"], "founder")], "person", e["founder"])),
-        ("companies", "In what year was {} founded?", lambda e: ([hop(e["name"], "founded")], "year", e["year"])),
-        ("companies", "In which town is {} headquartered?", lambda e: ([hop(e["name"], "headquartered")],
-                                                                       "town", e["hq"])),
-        ("inventions", "Who invented the {}?", lambda e: ([hop(e["name"], "invented")], "person", e["inventor"])),
-        ("inventions", "Which company manufactures the {}?", lambda e: ([hop(e["name"], "manufactured")],
-                                                                        "company", e["maker"])),
-        ("inventions", "In what year was the {} invented?", lambda e: ([hop(e["name"], "invented")], "year",
-                                                                      e["year"])),
-        ("towns", "Which river flows through {}?", lambda e: ([hop(e["name"], "river")], "river", e["river"])),
-        ("towns", "In which region is {}?", lambda e: ([hop(e["name"], "region")], "region", e["region"])),
+        ("people", "In which town was {} born?",
+         lambda e: ([hop(e["name"], "born")], "town", e["town"])),
+        ("people", "In what year was {} born?",
+         lambda e: ([hop(e["name"], "born")], "year", e["year"])),
+        ("people", "What was the occupation of {}?",
+         lambda e: ([hop(e["name"], "occupation")], "job", e["occupation"])),
+        ("companies", "Who founded {}?",
+         lambda e: ([hop(e["name"], "founder")], "person", e["founder"])),
+        ("companies", "In what year was {} founded?",
+         lambda e: ([hop(e["name"], "founded")], "year", e["year"])),
+        ("companies", "In which town is {} headquartered?",
+         lambda e: ([hop(e["name"], "headquartered")], "town", e["hq"])),
+        ("inventions", "Who invented the {}?",
+         lambda e: ([hop(e["name"], "invented")], "person", e["inventor"])),
+        ("inventions", "Which company manufactures the {}?",
+         lambda e: ([hop(e["name"], "manufactured")], "company", e["maker"])),
+        ("inventions", "In what year was the {} invented?",
+         lambda e: ([hop(e["name"], "invented")], "year", e["year"])),
+        ("towns", "Which river flows through {}?",
+         lambda e: ([hop(e["name"], "river")], "river", e["river"])),
+        ("towns", "In which region is {}?",
+         lambda e: ([hop(e["name"], "region")], "region", e["region"])),
     ]
 
     def founder(c):
@@ -222,26 +238,35 @@ def make_questions(world: dict, docs: list[dict], rng: random.Random) -> list[di
 
     two_hop = [
         ("companies", "In which town was the founder of {} born?",
-         lambda e: ([hop(e["name"], "founder"), hop(e["founder"], "born")], "town", founder(e)["town"])),
+         lambda e: ([hop(e["name"], "founder"), hop(e["founder"], "born")], "town",
+                    founder(e)["town"])),
         ("companies", "In what year was the founder of {} born?",
-         lambda e: ([hop(e["name"], "founder"), hop(e["founder"], "born")], "year", founder(e)["year"])),
+         lambda e: ([hop(e["name"], "founder"), hop(e["founder"], "born")], "year",
+                    founder(e)["year"])),
         ("companies", "Which river flows through the town where {} is headquartered?",
-         lambda e: ([hop(e["name"], "headquartered"), hop(e["hq"], "river")], "river", hq(e)["river"])),
+         lambda e: ([hop(e["name"], "headquartered"), hop(e["hq"], "river")], "river",
+                    hq(e)["river"])),
         ("companies", "In which region is the headquarters of {}?",
-         lambda e: ([hop(e["name"], "headquartered"), hop(e["hq"], "region")], "region", hq(e)["region"])),
+         lambda e: ([hop(e["name"], "headquartered"), hop(e["hq"], "region")], "region",
+                    hq(e)["region"])),
         ("inventions", "In which town was the inventor of the {} born?",
-         lambda e: ([hop(e["name"], "invented"), hop(e["inventor"], "born")], "town", inventor(e)["town"])),
+         lambda e: ([hop(e["name"], "invented"), hop(e["inventor"], "born")], "town",
+                    inventor(e)["town"])),
         ("inventions", "What was the occupation of the inventor of the {}?",
          lambda e: ([hop(e["name"], "invented"), hop(e["inventor"], "occupation")], "job",
                     inventor(e)["occupation"])),
         ("inventions", "Who founded the company that manufactures the {}?",
-         lambda e: ([hop(e["name"], "manufactured"), hop(e["maker"], "founder")], "person", maker(e)["founder"])),
+         lambda e: ([hop(e["name"], "manufactured"), hop(e["maker"], "founder")], "person",
+                    maker(e)["founder"])),
         ("inventions", "In which town is the manufacturer of the {} headquartered?",
-         lambda e: ([hop(e["name"], "manufactured"), hop(e["maker"], "headquartered")], "town", maker(e)["hq"])),
+         lambda e: ([hop(e["name"], "manufactured"), hop(e["maker"], "headquartered")], "town",
+                    maker(e)["hq"])),
         ("people", "Which river flows through the birthplace of {}?",
-         lambda e: ([hop(e["name"], "born"), hop(e["town"], "river")], "river", birthplace(e)["river"])),
+         lambda e: ([hop(e["name"], "born"), hop(e["town"], "river")], "river",
+                    birthplace(e)["river"])),
         ("people", "In which region was {} born?",
-         lambda e: ([hop(e["name"], "born"), hop(e["town"], "region")], "region", birthplace(e)["region"])),
+         lambda e: ([hop(e["name"], "born"), hop(e["town"], "region")], "region",
+                    birthplace(e)["region"])),
     ]
 
     rows = []
@@ -254,8 +279,8 @@ def make_questions(world: dict, docs: list[dict], rng: random.Random) -> list[di
             _, template, route = kinds[k]
             hops, kind, answer = route(entity)
             rows.append({"id": f"q{len(rows):04d}", "question": template.format(entity["name"]),
-                         "golden_answers": aliases(kind, answer, world["people"]), "data_source": source,
-                         "hops": hops})
+                         "golden_answers": aliases(kind, answer, world["people"]),
+                         "data_source": source, "hops": hops})
     return rows
 
 
@@ -274,14 +299,17 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DATA_DIR, help="folder to write the two files to (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=SEED, help="generator seed (the shipped files use %(default)s)")
+    p.add_argument("--out", default=DATA_DIR,
+                   help="folder to write the two files to (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=SEED,
+                   help="generator seed (the shipped files use %(default)s)")
     args = p.parse_args(argv)
     docs, questions = generate(args.seed)
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(os.path.join(args.out, CORPUS_FILE), docs)
     write_jsonl(os.path.join(args.out, QA_FILE), questions)
-    print(f"wrote {len(docs)} passages to {CORPUS_FILE} and {len(questions)} questions to {QA_FILE} in {args.out}")
+    print(f"wrote {len(docs)} passages to {CORPUS_FILE} and {len(questions)} questions to "
+          f"{QA_FILE} in {args.out}")
 
 
 if __name__ == "__main__":

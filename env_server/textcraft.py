@@ -10,21 +10,22 @@ Commands, matched at the start of the action and case-sensitive, as upstream:
 
 Anything else -> "Could not execute <action>". A craft succeeds when the listed ingredients are held
 and match one recipe of the item exactly: the same items (an item of group "planks", e.g. "dark oak
-planks", stands for the generic tag "planks"), the same counts. One craft makes exactly one batch: the
-N in front of the item is ignored, the ingredient counts are never scaled (upstream's rule). Reward 1 and
-done when the goal is crafted. The first observation lists the goal's recipe tree plus up to 10
-distractors that use the same ingredients, shuffled, then "Goal: craft X.".
+planks", stands for the generic tag "planks"), the same counts. One craft makes exactly one batch:
+the N in front of the item is ignored, the ingredient counts are never scaled (upstream's rule).
+Reward 1 and done when the goal is crafted. The first observation lists the goal's recipe tree plus
+up to 10 distractors that use the same ingredients, shuffled, then "Goal: craft X.".
 
-Worlds (the built-in recipe book, or a datapack with `--recipes DIR`): env_server/textcraft_world.py.
+Worlds (the built-in recipe book, or a datapack with `--recipes DIR`):
+env_server/textcraft_world.py.
 
 Departures from upstream, all for determinism or correctness:
-- tasks are ordered by (depth, item id), not by filesystem and hash order; distractors are sampled by
-  `random.Random(task id)` from sorted lists, so a task id is the same task in every process;
-- the recipe book is never modified (upstream's tree walk appends to its recipe lists, so what `craft`
-  accepts drifts over resets);
+- tasks are ordered by (depth, item id), not by filesystem and hash order; distractors are sampled
+  by `random.Random(task id)` from sorted lists, so a task id is the same task in every process;
+- the recipe book is never modified (upstream's tree walk appends to its recipe lists, so what
+  `craft` accepts drifts over resets);
 - a task id out of range is an error (upstream wraps it), and so is a step after done;
-- a count of more than 9 digits does not parse, so the command fails as an unparsable one does (upstream
-  raises past 4300 digits, where Python 3.11+ refuses int()).
+- a count of more than 9 digits does not parse, so the command fails as an unparsable one does
+  (upstream raises past 4300 digits, where Python 3.11+ refuses int()).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import re
 from collections import Counter
 
 from .base import Env, StepResult, TaskError
-from .textcraft_world import (BOOK_PATH, SPLITS_PATH, Recipe, World, build_world, load_builtin_world, read_datapack,
-                              read_recipe_book, to_id, to_name)
+from .textcraft_world import (BOOK_PATH, SPLITS_PATH, Recipe, World, build_world,
+                              load_builtin_world, read_datapack, read_recipe_book, to_id, to_name)
 
 MAX_DISTRACTORS = 10  # upstream: at most 10 distractor commands, and 10 sampled uses per ingredient
 
@@ -50,15 +51,17 @@ _GET = re.compile(r"get ([0-9]{1,9}) (.*)")
 _COUNT = re.compile(r"([0-9]{1,9}) (.*)")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tasks and the expert
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def task_commands(world: World, idx: int, variant: int = 0) -> list[str]:
-    """The crafting commands shown for task `idx`: its recipe tree plus distractors, shuffled. Variant
-    k > 0 draws other distractors in another order for the same goal (training-data augmentation)."""
+    """The crafting commands shown for task `idx`: its recipe tree plus distractors, shuffled.
+    Variant k > 0 draws other distractors in another order for the same goal (training-data
+    augmentation)."""
     rng = random.Random(idx if variant == 0 else f"{idx}/{variant}")
     tree, seen, stack = [], set(), [world.goals[idx]]
-    while stack:  # every recipe reachable from the goal through ingredients (tags: all their members)
+    # every recipe reachable from the goal through ingredients (tags: all their members)
+    while stack:
         name = stack.pop()
         if name in seen:
             continue
@@ -78,7 +81,8 @@ def task_commands(world: World, idx: int, variant: int = 0) -> list[str]:
 
 
 def expert_plan(world: World, goal: str, inventory: dict) -> list[str]:
-    """Commands that craft `goal` from `inventory`: get the missing base items, then craft bottom-up."""
+    """Commands that craft `goal` from `inventory`: get the missing base items, then craft
+    bottom-up."""
     inv = dict(inventory)
     # Getting earlier only adds items, so all gets go first, one per item: fewer turns.
     gets: dict[str, int] = {}
@@ -120,13 +124,14 @@ def listed_outputs(commands: list[str]) -> set[str]:
 
 
 def ingredient_kind(world: World, made: set[str], item: str) -> str:
-    """`craft` where a listed command makes `item` (an item or tag id; a tag: one of its members), else `get`."""
+    """`craft` where a listed command makes `item` (an item or tag id; a tag: one of its members),
+    else `get`."""
     return "craft" if made.intersection(world.tag_members.get(item) or [item]) else "get"
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The environment
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class TextCraftEnv(Env):
     name = "textcraft"
 
@@ -146,10 +151,6 @@ class TextCraftEnv(Env):
     @classmethod
     def num_tasks(cls, world: World) -> int:
         return len(world.goals)
-
-    @classmethod
-    def splits(cls, world: World) -> dict[str, list[int]]:
-        return {k: list(v) for k, v in world.splits.items()}
 
     @classmethod
     def task_category(cls, world: World, idx: int) -> str:
@@ -235,8 +236,8 @@ class TextCraftEnv(Env):
                 return f"Could not find enough items to craft {None if out_is_tag else out}", None
         recipe = None if out_is_tag else self._match(out, given)
         if recipe is None:
-            # Upstream prints the repr of its internal object here; kept verbatim, since agents trained
-            # on upstream transcripts have seen exactly this text.
+            # Upstream prints the repr of its internal object here; kept verbatim, since agents
+            # trained on upstream transcripts have seen exactly this text.
             tag, item = (out, None) if out_is_tag else (None, out)
             return ("Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag("
                     f"tag={tag!r}, item_id={item!r}), count={out_count})"), None
@@ -250,14 +251,17 @@ class TextCraftEnv(Env):
         return f"Crafted {recipe.count} {recipe.output}", recipe.output
 
     def _match(self, out: str, given: list) -> Recipe | None:
-        """The first recipe of `out` whose ingredients are exactly `given` (a member matches its tag)."""
+        """The first recipe of `out` whose ingredients are exactly `given` (a member matches its
+        tag)."""
         item_tag = self.world.item_tag
         for recipe in self.world.item_recipes.get(out, ()):
             left = list(given)
             for ing in recipe.inputs:
                 j = next((j for j, (item, _) in enumerate(left)
-                          if (item_tag.get(item) == ing.name if ing.is_tag else item == ing.name)), None)
-                if j is None or left[j][1] != ing.count:  # the first match must have the right count
+                          if (item_tag.get(item) == ing.name if ing.is_tag else item == ing.name)),
+                         None)
+                # the first match must have the right count
+                if j is None or left[j][1] != ing.count:
                     break
                 del left[j]
             else:
@@ -293,12 +297,13 @@ class TextCraftEnv(Env):
         }
 
     def expert_thought(self, action: str, checked: bool = False) -> str:
-        """The reasoning behind the expert's `action`: the recipes on the way from the goal down to the
-        item it crafts or fetches, each as `<item> using <ingredients>` (the listed command without its
-        leading `craft N`), e.g. `jungle button using 1 jungle planks; jungle planks using 1 jungle log`.
-        `checked` adds after each recipe what each ingredient is, read off the listed commands: `craft`
-        where one of them makes it (a tag: one of its members), else `get`, e.g. `jungle button using 1
-        jungle planks (jungle planks: craft); jungle planks using 1 jungle log (jungle log: get)`."""
+        """The reasoning behind the expert's `action`: the recipes on the way from the goal down to
+        the item it crafts or fetches, each as `<item> using <ingredients>` (the listed command
+        without its leading `craft N`), e.g. `jungle button using 1 jungle planks; jungle planks
+        using 1 jungle log`. `checked` adds after each recipe what each ingredient is, read off the
+        listed commands: `craft` where one of them makes it (a tag: one of its members), else `get`,
+        e.g. `jungle button using 1 jungle planks (jungle planks: craft); jungle planks using 1
+        jungle log (jungle log: get)`."""
         w = self.world
         m = _CRAFT.match(action) or _GET.match(action)
         target = to_id(_COUNT.match(m[1])[2] if action.startswith("craft") else m[2]) if m else None
@@ -321,10 +326,12 @@ class TextCraftEnv(Env):
             chain.append(w.expert_recipe[target])
         made = listed_outputs(self.commands) if checked else set()
 
-        def marks(r: Recipe) -> str:  # ` (a: craft, b: get)`: does a listed command make each ingredient?
+        # ` (a: craft, b: get)`: does a listed command make each ingredient?
+        def marks(r: Recipe) -> str:
             if not checked:
                 return ""
-            return " (" + ", ".join(f"{to_name(i.name)}: {ingredient_kind(w, made, i.name)}" for i in r.inputs) + ")"
+            return (" (" + ", ".join(f"{to_name(i.name)}: {ingredient_kind(w, made, i.name)}"
+                                     for i in r.inputs) + ")")
 
         lines = [r.text.split(" ", 2)[2] + marks(r) for r in chain]
         return "; ".join(lines) + "." if lines else f"I will {action}."
@@ -346,9 +353,11 @@ def main() -> None:
     if args.write_splits:
         world = build_world(read_recipe_book(BOOK_PATH), "builtin")
         with open(SPLITS_PATH, "w", encoding="utf-8") as f:
-            json.dump({"rule": "per depth: random.Random(0) shuffle, first 20% -> test", **world.splits}, f)
+            json.dump({"rule": "per depth: random.Random(0) shuffle, first 20% -> test",
+                       **world.splits}, f)
             f.write("\n")
-        print(f"wrote {SPLITS_PATH}: {len(world.splits['train'])} train, {len(world.splits['test'])} test")
+        print(f"wrote {SPLITS_PATH}: {len(world.splits['train'])} train, "
+              f"{len(world.splits['test'])} test")
         return
     world = TextCraftEnv.load_world(args)
     by_depth = sorted(Counter(world.depth[g] for g in world.goals).items())

@@ -1,10 +1,11 @@
 """TextCraft's world: recipes, tags, crafting depths, goals and the train/test split.
 
-Worlds: the project's own recipe book (data/textcraft_recipes.txt) or, with `--recipes DIR`, a Minecraft
-datapack recipe folder read by upstream's rules (shaped/shapeless only; recipes that turn one "*_block"
-into items are dropped; a recipe that would close a dependency cycle is dropped; a tag with no craftable
-member becomes a base item). Files are read in sorted name order: which recipe of a cycle survives
-depends on the order, and this one gives upstream's published 544 goals of depth 1/2/3/4: 125/291/117/11.
+Worlds: the project's own recipe book (data/textcraft_recipes.txt) or, with `--recipes DIR`, a
+Minecraft datapack recipe folder read by upstream's rules (shaped/shapeless only; recipes that turn
+one "*_block" into items are dropped; a recipe that would close a dependency cycle is dropped; a tag
+with no craftable member becomes a base item). Files are read in sorted name order: which recipe of
+a cycle survives depends on the order, and this one gives upstream's published 544 goals of depth
+1/2/3/4: 125/291/117/11.
 
 Built once per process and read-only afterwards; env_server/textcraft.py plays tasks in it.
 """
@@ -34,9 +35,9 @@ def to_name(item_id: str) -> str:
 
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # World: recipes, tags, depths and goals; built once per process, read-only afterwards
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Ingredient:
     name: str  # an item id, or a tag id when is_tag
@@ -75,7 +76,8 @@ def read_recipe_book(path: str) -> list[tuple]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
-            if not line or line.startswith("#"):  # a comment (an ingredient "#tag" never starts a line)
+            # a comment (an ingredient "#tag" never starts a line)
+            if not line or line.startswith("#"):
                 continue
             try:
                 head, body = line.split("<-")
@@ -148,7 +150,8 @@ def _ingredient(ing, count: int, path: str) -> tuple:
 
 
 def build_world(raw: list[tuple], source: str) -> World:
-    """Turn raw recipes (output, count, group, [(name, count, is_tag)]) into a World, upstream's rules."""
+    """Turn raw recipes (output, count, group, [(name, count, is_tag)]) into a World, upstream's
+    rules."""
     items, tags, item_tag = set(), set(), {}
     kept = []
     needs: dict[str, set] = {}  # output id -> everything it was made from, transitively
@@ -196,8 +199,8 @@ def build_world(raw: list[tuple], source: str) -> World:
     depth = _depths(item_recipes, tag_recipes)
     goals = tuple(sorted(item_recipes, key=lambda g: (depth[g], g)))
     expert_recipe, tag_members = _expert_tables(tags, item_tag, item_recipes, depth)
-    return World(source, frozenset(items), frozenset(tags), item_tag, item_recipes, tag_recipes, uses,
-                 depth, goals, expert_recipe, tag_members, split_rule(goals, depth))
+    return World(source, frozenset(items), frozenset(tags), item_tag, item_recipes, tag_recipes,
+                 uses, depth, goals, expert_recipe, tag_members, split_rule(goals, depth))
 
 
 def _depths(item_recipes: dict, tag_recipes: dict) -> dict:
@@ -210,7 +213,8 @@ def _depths(item_recipes: dict, tag_recipes: dict) -> dict:
         if name in path:
             raise ValueError(f"recipe cycle: {' -> '.join(path + (name,))}")
         recipes = item_recipes.get(name) or tag_recipes.get(name) or ()
-        d = min((max(visit(i.name, path + (name,)) + 1 for i in r.inputs) for r in recipes), default=0)
+        d = min((max(visit(i.name, path + (name,)) + 1 for i in r.inputs) for r in recipes),
+                default=0)
         depth[name] = d
         return d
 
@@ -220,7 +224,8 @@ def _depths(item_recipes: dict, tag_recipes: dict) -> dict:
 
 
 def _expert_tables(tags, item_tag, item_recipes, depth) -> tuple[dict, dict]:
-    """Per item the recipe the expert uses (shallowest, then fewest commands); per tag its members."""
+    """Per item the recipe the expert uses (shallowest, then fewest commands); per tag its
+    members."""
     cost: dict[str, int] = {}  # commands to make one batch from nothing, roughly
 
     def item_cost(name: str) -> int:
@@ -237,7 +242,8 @@ def _expert_tables(tags, item_tag, item_recipes, depth) -> tuple[dict, dict]:
     for item, tag in item_tag.items():
         if tag in tags and item not in tags:
             members.setdefault(tag, []).append(item)
-    tag_members = {t: tuple(sorted(ms, key=lambda m: (depth.get(m, 0), m))) for t, ms in members.items()}
+    tag_members = {t: tuple(sorted(ms, key=lambda m: (depth.get(m, 0), m)))
+                   for t, ms in members.items()}
 
     def best_member(tag: str) -> str:
         return tag_members[tag][0]
@@ -245,7 +251,8 @@ def _expert_tables(tags, item_tag, item_recipes, depth) -> tuple[dict, dict]:
     expert = {}
     for item, recipes in item_recipes.items():
         key = lambda r: (max(depth.get(i.name, 0) for i in r.inputs), recipe_cost(r))  # noqa: E731
-        expert[item] = min(recipes, key=key)  # min keeps the first of equals: load order breaks ties
+        # min keeps the first of equals: load order breaks ties
+        expert[item] = min(recipes, key=key)
     return expert, tag_members
 
 
@@ -269,6 +276,7 @@ def load_builtin_world() -> World:
         shipped = json.load(f)
     splits = {"train": shipped["train"], "test": shipped["test"]}
     if sorted(splits["train"] + splits["test"]) != list(range(len(world.goals))):
-        raise ValueError(f"{SPLITS_PATH} does not cover the {len(world.goals)} tasks of {BOOK_PATH}; "
-                         "regenerate it: python -m env_server.textcraft --write-splits")
+        raise ValueError(f"{SPLITS_PATH} does not cover the {len(world.goals)} tasks of "
+                         f"{BOOK_PATH}; regenerate it: python -m env_server.textcraft "
+                         "--write-splits")
     return dataclasses.replace(world, splits=splits)

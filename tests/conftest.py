@@ -31,7 +31,7 @@ def pytest_sessionstart(session):
     import importlib.metadata
 
     import torch
-    from policy import cpu_has_bf16
+    from models.policy import cpu_has_bf16
 
     try:
         model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
@@ -113,3 +113,12 @@ def make_toy_server():
     yield make
     for stop in stops:
         stop()
+
+
+def train_update(run, trajs):
+    """train.py's update stage on `trajs`, as its loop runs it: the batch, the advantages, then the
+    clipped update over epochs and mini-batches; returns the update's metrics."""
+    import train
+
+    rows = train.Rows(run, trajs)
+    return train.update(run, rows, *train.advantages(run, rows))

@@ -3,6 +3,8 @@ known of the requests AgentGym's client sends and what it reads back (not from i
 
 - TextCraft: JSON everywhere; `/create` answers an object whose `id` it keeps.
 - BabyAI, SciWorld: `/create` is a POST with no body and no Content-Type; `id` from the object.
+- SciWorld: its first observation is `/reset`'s `task_description`, a newline, then its
+  `observation` (a KeyError where either is missing); later ones are the steps' `observation`s.
 - SearchQA: `/create` sends {"id": 0} and reads a bare integer back, kept as `env_idx`; `/reset` sends
   {"env_idx": ..., "id": <task index>} and reads the bare observation; `/observation?env_idx=` reads a bare
   string; `/step` sends {"env_idx", "action"} and reads {"observation", "reward", "done", "info"}; `/close`
@@ -55,6 +57,27 @@ class IdClient:
 
     def close(self):
         return call(self.url, "POST", "/close", {"id": self.env_id})
+
+
+class SciWorldClient(IdClient):
+    """AgentGym's SciWorld client: keeps the observation itself, from reset's and each step's."""
+
+    def __init__(self, url: str):
+        super().__init__(url, json_create=False)
+
+    def reset(self, idx: int):
+        r = super().reset(idx)
+        self.info = r["task_description"] + "\n" + r["observation"]
+        return r
+
+    def step(self, action: str):
+        r = super().step(action)
+        self.info = r["observation"]
+        assert isinstance(r["score"], int)  # the step's reward to that client
+        return r
+
+    def observe(self) -> str:
+        return self.info
 
 
 class SearchQAClient:
@@ -126,7 +149,10 @@ def test_babyai_client(threaded):
                     reason="ScienceWorld cannot run here (the scienceworld package or java is missing)")
 def test_sciworld_client():
     with ServerProcess("sciworld", "--max-jvms", "2") as server:
-        play(IdClient(server.url, json_create=False), 0, "look around")
+        got = play(SciWorldClient(server.url), 0, "look around")
+    task, view = got["first"].split("\n", 1)
+    assert task.startswith("Your task is to boil ") and view.startswith("This room is called the ")
+    assert got["first"].count(task) == 1 and got["step"]["observation"].startswith("This room is")
 
 
 def test_searchqa_client(tmp_path):

@@ -58,7 +58,7 @@ def test_the_real_warm_starts_tasks_hold_every_level_in_equal_shares(world):
     over as many levels as it can; without `by_category` the even spread stays (the tiny recipe's)."""
     from collections import Counter
 
-    from warmstart import REAL_WARM_START, WARM_START, recipe_tasks
+    from models.warmstart import REAL_WARM_START, WARM_START, recipe_tasks
 
     train = BabyAIEnv.splits(world)["train"]
     ids = recipe_tasks("babyai", REAL_WARM_START["babyai"])

@@ -35,7 +35,7 @@ def test_soak_bench_runs():
 
 
 def test_turn_cache_bench_runs(tmp_path):
-    import tiny_model
+    import models.tiny as tiny_model
     path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words", layers=1, hidden=32)
     out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor", "--tasks", "4", "--turns", "3",
                           "--max-new-tokens", "4", "--model", path, "--threads", "1"],

@@ -25,8 +25,11 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
+MODULES = {"sft.py": ["-m", "recipes.sft"]}  # scripts that live in a layer run as modules
+
+
 def run(args, timeout=300, **kw):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run([sys.executable, *MODULES.get(args[0], args[:1]), *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "sft.py"])
@@ -164,7 +167,20 @@ def test_help_prints_no_default_the_help_already_states():
         assert "(default: None)" not in text, script
     text = " ".join(run(["train.py", "-h"]).stdout.split())
     assert "(default: steps / number of stages) --schedule-kind" in text
-    assert "3e-4 for the built-in tiny model --critic-lr" in text and "(default: 0.0001)" in text
+    assert "with --model configs/real-" in text and "(1e-6, the paper's) --out" in text  # (-h wraps)
+    assert "(default: 0.0001)" in text  # --critic-lr, whose help says no default
+
+
+def test_help_lists_the_essential_flags_first_and_the_rest_in_groups():
+    """-h: the essential flags first (those the three scripts share among them), then named groups;
+    a flag the three scripts share is declared once (trainer/cli.py's Shared)."""
+    text = run(["train.py", "-h"]).stdout
+    groups = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert groups[:2] == ["options", "essential flags"] and len(groups) >= 6, groups
+    assert text.index("--steps") < text.index("essential flags") + 2000 < text.index("--critic-lr")
+    for script in ("train.py", "eval.py", "sft.py"):
+        shared = run([script, "-h"]).stdout
+        assert "seed of task order, noise and sampling" in shared and "where built-in models are built" in shared
 
 
 def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(tmp_path, cache_dir):
@@ -189,7 +205,7 @@ def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(t
 
 
 def test_the_stop_message_names_the_command_that_continues(monkeypatch):
-    from checkpoints import resume_command
+    from trainer.checkpoints import resume_command
 
     for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -258,7 +274,7 @@ def test_an_env_addr_serving_another_game_is_refused(tmp_path):
     silent.get("/")(lambda: "ok")
     url, stop = serve_wsgi_in_thread(silent)
     try:
-        import cli
+        from trainer import cli
 
         cli.check_env_addr(cli.Parser(), url, "corridor")  # accepted: no exit
     finally:

@@ -11,31 +11,32 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_update
 
 import algos
-import models
-import policy
-from policy import Precision
+import models.builtin as models
+from models import policy
+from models.policy import Precision
 import train
-import update
+from trainer import run as run_layer
+from trainer import update
 from rollout import Trajectory
 
 
 # ---------------------------------------------------------------- pure pieces
 def test_ranks_play_whole_groups_in_one_process_order():
     chosen = [7, 3, 9, 5]
-    one = train.rank_items(chosen, 4, 3)
+    one = run_layer.rank_items(chosen, 4, 3)
     assert one == ([7, 7, 7, 3, 3, 3, 9, 9, 9, 5, 5, 5], [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
     for world in (2, 4):
-        parts = [train.rank_items(chosen, 4, 3, r, world) for r in range(world)]
+        parts = [run_layer.rank_items(chosen, 4, 3, r, world) for r in range(world)]
         assert sum((p[0] for p in parts), []) == one[0] and sum((p[1] for p in parts), []) == one[1]
         groups = [set(p[1]) for p in parts]
         assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])  # no group on two ranks
     # fewer tasks than batch_size: the list repeats, each slot still its own group
-    assert train.rank_items([8, 6], 4, 2, 1, 2) == ([8, 8, 6, 6], [2, 2, 3, 3])
+    assert run_layer.rank_items([8, 6], 4, 2, 1, 2) == ([8, 8, 6, 6], [2, 2, 3, 3])
     with pytest.raises(AssertionError):
-        train.rank_items(chosen, 3, 2, 0, 2)
+        run_layer.rank_items(chosen, 3, 2, 0, 2)
 
 
 def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
@@ -51,7 +52,7 @@ def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
 def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     """torchrun --nproc-per-node 2 on a one-GPU node with --device auto/cuda: a line naming the fix, before
     NCCL fails deep in init_process_group (it did on a real H100)."""
-    from distributed import init_distributed
+    from trainer.distributed import init_distributed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("RANK", "1")):
@@ -137,8 +138,8 @@ def run_update(flags, model_dir, trajs, sharded: bool):
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
     run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
-                          device=torch.device("cpu"))
-    stats = train.update(run, trajs)
+                          device=torch.device("cpu"), engine_kind=cfg.engine)
+    stats = train_update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     def flat(m):  # every rank: whole tensors
@@ -170,7 +171,7 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
     weights (the critic's too): all aggregation modes, micro-batches, global whitening, critic, reference KL, TIS, a rank
     without trajectories, activation checkpointing. Both ranks end with identical weights, also when
     their mini-batch counts differ."""
-    from tiny_model import build_model
+    from models.tiny import build_model
 
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
     model.save_pretrained(tmp_path / "model")

@@ -1,5 +1,6 @@
-"""The documentation holds together: the README stays a guide one reads in minutes (at most 20 KB), and
-every relative link and image path in README.md and docs/*.md names a file that exists."""
+"""The documentation holds together: the README stays a guide one reads in minutes (at most 15 KB),
+docs/ a user guide (at most 60 KB of pages, 8 pictures, a results page of at most 15 KB), and every
+relative link and image path in README.md and docs/*.md names a file that exists."""
 
 import glob
 import os
@@ -8,7 +9,8 @@ import re
 from conftest import ROOT
 
 README = os.path.join(ROOT, "README.md")
-MAX_README_BYTES = 20_480
+MAX_README_BYTES = 15_000
+MAX_DOCS_BYTES, MAX_RESULTS_BYTES, MAX_PICTURES = 60_000, 15_000, 8
 
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1", re.S | re.M)  # fenced code blocks
 CODE = re.compile(r"(`+).+?\1", re.S)  # inline code spans
@@ -34,7 +36,20 @@ def relative_targets(text: str) -> list[str]:
     return out
 
 
-def test_the_readme_is_at_most_20_kb():
+def test_docs_is_a_guide_not_a_notebook():
+    pages = glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    total = sum(os.path.getsize(p) for p in pages)
+    assert total <= MAX_DOCS_BYTES, f"docs/*.md hold {total:,} bytes, over {MAX_DOCS_BYTES:,}"
+    results = os.path.getsize(os.path.join(ROOT, "docs", "results.md"))
+    assert results <= MAX_RESULTS_BYTES, f"docs/results.md is {results:,} bytes: one table per result"
+    pictures = glob.glob(os.path.join(ROOT, "docs", "*.png"))
+    assert len(pictures) <= MAX_PICTURES, f"{len(pictures)} pictures in docs/"
+    used = "".join(open(p, encoding="utf-8").read() for p in doc_files())
+    unused = [os.path.basename(p) for p in pictures if os.path.basename(p) not in used]
+    assert not unused, f"pictures no page shows: {unused}"
+
+
+def test_the_readme_is_at_most_15_kb():
     size = os.path.getsize(README)
     assert size <= MAX_README_BYTES, (
         f"README.md is {size:,} bytes, over {MAX_README_BYTES:,}: move detail into a docs/ page and link it")

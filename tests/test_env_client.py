@@ -10,10 +10,12 @@ import threading
 import time
 
 import pytest
+import urllib3
 from conftest import raw
 from flask import Flask, Response, jsonify, request
 from toy_env import CounterEnv
 
+import env_client
 from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from, train_reward
 from env_server.app import create_app, serve_wsgi_in_thread
 
@@ -57,15 +59,15 @@ def test_retries_only_where_safe(toy_server, monkeypatch):
     """A dropped connection is retried for reset (repeating it changes nothing) but never for step."""
     c = EnvClient(Transport(toy_server, retries=2))
     c.reset(19)
-    real_conn, calls = c.http._conn, {"n": 0}
+    real_urlopen, calls = c.http.pool.urlopen, {"n": 0}
 
-    def flaky():
+    def flaky(*args, **kw):
         calls["n"] += 1
         if calls["n"] % 2 == 1:
-            raise ConnectionResetError("dropped")
-        return real_conn()
+            raise urllib3.exceptions.ProtocolError("Connection aborted.", ConnectionResetError())
+        return real_urlopen(*args, **kw)
 
-    monkeypatch.setattr(c.http, "_conn", flaky)
+    monkeypatch.setattr(c.http.pool, "urlopen", flaky)
     assert c.reset(19) == "Reach 1000000."
     assert calls["n"] == 2
     with pytest.raises(EnvError) as e:
@@ -308,12 +310,12 @@ def test_steps_after_idle_on_uvicorn_default_keep_alive(uvicorn_server):
         assert app.steps == 4
 
 
-def test_a_connection_the_server_closed_is_never_reused(uvicorn_server):
-    """With the idle bound out of the way, the probe alone must see that uvicorn (keep-alive 1 s) closed
-    each kept connection, and open a fresh one: every step succeeds, each sent exactly once."""
+def test_a_connection_the_server_closed_is_never_reused(uvicorn_server, monkeypatch):
+    """With the idle bound out of the way, the pool's probe alone must see that uvicorn (keep-alive
+    1 s) closed each kept connection, and open a fresh one: every step succeeds, each sent once."""
+    monkeypatch.setattr(env_client, "MAX_IDLE_S", 60.0)
     url, app = uvicorn_server(timeout_keep_alive=1)
     with EnvPool(url, 4) as pool:
-        pool.http.max_idle_s = 60.0
         pool.reset([0, 1, 2, 3])
         time.sleep(1.5)
         out = pool.step(["go"] * 4)
@@ -376,7 +378,8 @@ def trickler():
 
 def test_a_trickling_answer_is_cut_off_at_the_deadline(trickler):
     """The timeout bounds the whole call, not each read: a byte every 0.3 s never lets a 1 s per-read
-    timeout fire, yet the call ends as a timeout after about 1 s, and the connection is dropped."""
+    timeout fire, yet the call ends as a timeout after about 1 s, and the connection is dropped (the
+    next call opens another, which answers)."""
     url, _, seen = trickler
     t = Transport(url, timeout=1.0, retries=0)
     t0 = time.monotonic()
@@ -384,7 +387,8 @@ def test_a_trickling_answer_is_cut_off_at_the_deadline(trickler):
         t.request("POST", "/step", {"id": 0, "action": "go"})
     took = time.monotonic() - t0
     assert e.value.kind == "timeout" and "1 s" in e.value.message and took < 2.0, (e.value, took)
-    assert getattr(t._local, "conn", None) is None and len(seen) == 1
+    assert len(seen) == 1 and t.request("GET", "/observation?id=0") == {"ok": True}
+    assert len(seen) == 2
 
 
 def test_each_retry_of_a_read_gets_its_own_deadline(trickler):

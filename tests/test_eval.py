@@ -10,9 +10,10 @@ import pytest
 from conftest import ROOT
 from flask import Flask, jsonify
 
-import agents
+from env_server import agents
 import eval as ev
 from env_server.app import ServerProcess, serve_wsgi_in_thread
+from tools import eval_outputs, paired
 
 
 def test_score_table_against_hand_count():
@@ -144,7 +145,7 @@ def fake_run(folder, **settings):
     import train
 
     os.makedirs(os.path.join(folder, "checkpoint", "model"))
-    cfg = {**vars(train.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6, "max_context": 512,
+    cfg = {**vars(train.config.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6, "max_context": 512,
            "temperature": 0.7, "top_p": 0.9, "out": str(folder), "lr": 3e-4, **settings}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -183,7 +184,7 @@ def test_compare_pairs_tasks_and_counts_the_changed_ones():
     start = {i: [1.0 if i < 4 or i == 4 else 0.0] for i in range(20)}
     end = {i: [1.0 if i < 4 or 5 <= i < 14 else 0.0] for i in range(20)}
     end[99] = [1.0]
-    c = ev.compare(result(start), result(end))
+    c = paired.compare(result(start), result(end))
     assert (c["tasks"], c["left_out"]) == (20, 1)
     assert (c["both"], c["gained"], c["lost"], c["neither"]) == (4, 9, 1, 6)
     assert (c["start"], c["end"], c["change"]) == pytest.approx((0.25, 0.65, 0.40))
@@ -193,12 +194,12 @@ def test_compare_pairs_tasks_and_counts_the_changed_ones():
     sd = (sum((x - 0.4) ** 2 for x in d) / 19) ** 0.5
     assert c["ci95"] == pytest.approx([0.4 - 1.96 * sd / 20 ** 0.5, 0.4 + 1.96 * sd / 20 ** 0.5])
     # no change at all: p = 1 and a zero-width interval at 0
-    same = ev.compare(result(start), result(start))
+    same = paired.compare(result(start), result(start))
     assert same["sign_test_p"] == 1.0 and same["ci95"] == pytest.approx([0.0, 0.0])
 
 
 def test_compare_averages_samples_per_task_and_skips_the_sign_test_for_scores():
-    c = ev.compare(result({1: [0.0, 1.0], 2: [0.5, 0.5]}), result({1: [1.0, 1.0], 2: [0.25, 0.75]}))
+    c = paired.compare(result({1: [0.0, 1.0], 2: [0.5, 0.5]}), result({1: [1.0, 1.0], 2: [0.25, 0.75]}))
     assert c["change"] == pytest.approx(0.25) and "sign_test_p" not in c
 
 
@@ -217,12 +218,12 @@ def test_behaviour_counts_turns_per_success_and_repeated_actions(capsys):
     # 5 actions: the 2nd and 3rd repeat the one before; the reply without an action breaks the run
     lost = episode(["craft 1 door using 6 planks"] * 3 + [None, "craft 1 door using 6 planks", "get 1 log"],
                    "max_turns", 0.0)
-    b = ev.behaviour([won, lost])
+    b = eval_outputs.behaviour([won, lost])
     assert b["turns_per_success"] == 2 and b["repeated_actions"] == pytest.approx(2 / 7)
-    assert ev.behaviour([lost])["turns_per_success"] is None and ev.behaviour([]) == {
+    assert eval_outputs.behaviour([lost])["turns_per_success"] is None and eval_outputs.behaviour([]) == {
         "turns_per_success": None, "repeated_actions": None}
-    ev.print_table({"n_scored": 1, "by_category": {}, "overall": {"tasks": 2, "avg@1": 0.5, "pass@1": 0.5},
-                    "statuses": {}, "excluded": {"env_error": 0, "endpoint_error": 0}, "behaviour": b})
+    eval_outputs.print_table({"n_scored": 1, "by_category": {}, "overall": {"tasks": 2, "avg@1": 0.5, "pass@1": 0.5},
+                              "statuses": {}, "excluded": {"env_error": 0, "endpoint_error": 0}, "behaviour": b})
     assert "episodes: 2.0 turns per success, 29% of actions repeat the one before" in capsys.readouterr().out
 
 
@@ -231,16 +232,16 @@ def test_compare_breaks_the_change_down_by_category(capsys):
         return {"tasks": [{"item_id": i, "category": "a" if i < 4 else "b", "scores": s} for i, s in scores.items()]}
     start = res({0: [0.0], 1: [0.0], 2: [1.0], 3: [0.0], 4: [1.0], 5: [1.0]})
     end = res({0: [1.0], 1: [1.0], 2: [1.0], 3: [1.0], 4: [0.0], 5: [1.0]})
-    c = ev.compare(start, end)
+    c = paired.compare(start, end)
     assert c["change"] == pytest.approx(2 / 6)
     a, b = c["by_category"]["a"], c["by_category"]["b"]
     assert (a["tasks"], a["start"], a["end"], a["change"]) == pytest.approx((4, 0.25, 1.0, 0.75))
     assert (b["tasks"], b["start"], b["end"], b["change"]) == pytest.approx((2, 1.0, 0.5, -0.5))
     sd = ((3 * 0.25 ** 2 + 0.75 ** 2) / 3) ** 0.5  # category a's differences 1, 1, 0, 1
     assert a["ci95"] == pytest.approx([0.75 - 1.96 * sd / 2, 0.75 + 1.96 * sd / 2])
-    ev.print_comparison(c, "s.json", "e.json")
+    paired.print_comparison(c, "s.json", "e.json")
     assert "b                      2 tasks  1.000 -> 0.500   -50.0 points" in capsys.readouterr().out
-    assert "by_category" not in ev.compare(result({1: [0.0]}), result({1: [1.0]}))  # one category: no breakdown
+    assert "by_category" not in paired.compare(result({1: [0.0]}), result({1: [1.0]}))  # one category: no breakdown
 
 
 def test_compare_from_the_command_line(tmp_path):
@@ -298,7 +299,7 @@ def test_curriculum_keeps_the_tasks_solved_only_sometimes(tmp_path, corridor_url
         {0: [0.0, 1.0], 1: [0.0, 1.0], 2: [0.0, 1.0], 3: [0.0, 1.0], 4: [0.0, 0.0], 5: [0.0, 0.0]}
     assert json.load(open(path)) == [0, 1, 2, 3]
     assert "4 of 6 tasks solved only sometimes" in capsys.readouterr().out
-    from cli import task_lists
+    from trainer.cli import task_lists
     splits = task_lists(corridor_url, "corridor", path)["splits"]  # what train.py --tasks-file trains on
     assert splits["train"] == [0, 1, 2, 3] and splits["test"] == list(range(48, 60))
 
@@ -308,9 +309,9 @@ def test_curriculum_with_no_task_between_writes_nothing(tmp_path):
     tied = {"tasks": [{"item_id": 1, "scores": [1.0, 1.0]}, {"item_id": 2, "scores": [0.0, 0.0]},
                       {"item_id": 3, "scores": [1.0]}]}  # task 3: one sample left after an error
     with pytest.raises(SystemExit, match="no task of the 2 with 2 or more scored samples"):
-        ev.write_curriculum(tied, str(path))
+        eval_outputs.write_curriculum(tied, str(path))
     assert not path.exists()
-    assert ev.sometimes_solved({"tasks": [{"item_id": 7, "scores": [0.25, 0.5]}, *tied["tasks"]]}) == [7]
+    assert eval_outputs.sometimes_solved({"tasks": [{"item_id": 7, "scores": [0.25, 0.5]}, *tied["tasks"]]}) == [7]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -342,7 +343,7 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
     monkeypatch.setattr(ev, "rollout", counted)
     with pytest.raises(KeyboardInterrupt):
         ev.main(ev.parse_args([*args, "--out", out]))
-    assert not os.path.exists(out) and len(ev.read_partial(ev.parse_args([*args, "--out", out]))) == 8
+    assert not os.path.exists(out) and len(eval_outputs.read_partial(ev.parse_args([*args, "--out", out]))) == 8
     with pytest.raises(SystemExit):  # other settings would mix two evaluations in one result
         ev.parse_args([*args, "--out", out, "--max-turns", "5"])
     assert "holds a cut evaluation with --max-turns 4, not 5" in capsys.readouterr().err
@@ -354,7 +355,7 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
         with open(tmp_path / folder / "r.rollouts.jsonl") as f:
             return [(t["item_id"], t["token_ids"], t["logprobs"]) for t in map(json.loads, f)]
     assert rows("cut") == rows("whole")  # the last chunk sampled from its own seed, as in the uncut run
-    assert not os.path.exists(ev.partial_path(out))
+    assert not os.path.exists(eval_outputs.partial_path(out))
 
 
 def test_compare_pools_the_results_on_each_side(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from toy_env import CounterEnv
 
-import agents
+from env_server import agents
 import algos
 import scheduler
 import train
@@ -51,7 +51,7 @@ def test_a_new_estimator_trains_without_touching_train_py(tmp_path, cache_dir, m
 
 
 def test_an_unknown_estimator_is_refused_never_run_as_another(capsys):
-    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: dr_grpo, grpo"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: dr_grpo, gigpo, grpo"):
         algos.estimator("nope")
     with pytest.raises(SystemExit):
         train.parse_args(["--env", "corridor", "--algo", "nope"])

@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT
 
-import plot
+from tools import plot
 
 
 def write_run(folder, max_turns, schedule):
@@ -26,7 +26,7 @@ def test_two_runs_make_a_png(tmp_path):
     write_run(tmp_path / "fixed", [4] * 8, "4")
     write_run(tmp_path / "staged", [2] * 4 + [4] * 4, "2,4")
     out = tmp_path / "curves.png"
-    res = subprocess.run([sys.executable, "plot.py", str(tmp_path / "fixed"), str(tmp_path / "staged"), "--out",
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "fixed"), str(tmp_path / "staged"), "--out",
                           str(out), "--smooth", "3", "--labels", "fixed,staged"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -87,11 +87,11 @@ def test_stages_and_smoothing():
 def test_missing_or_empty_metrics_names_the_folder(tmp_path):
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "metrics.jsonl" in res.stderr
     (empty / "metrics.jsonl").write_text("")
-    res = subprocess.run([sys.executable, "plot.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "empty" in res.stderr
 
@@ -148,8 +148,8 @@ def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
     write_run(tmp_path / "b", [2] * 4, "2")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path / "a"), str(tmp_path / "b")],
-                         cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "a"), str(tmp_path / "b")],
+                         cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG" and not os.listdir(elsewhere)
     assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout
@@ -182,7 +182,7 @@ def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path)
                          (["--compare", f"{s0},{tmp_path}/none.json", "--out", str(out)], "no file"),
                          (["--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"], "2 names for 1"),
                          ([], "give run folders")]:
-        res = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
 
 
@@ -210,5 +210,5 @@ def test_held_out_curves_of_eval_results_make_a_png_and_bad_input_names_itself(t
                          (["--curve", f"0={s0},10={tmp_path}/none.json", "--out", str(out)], "no file"),
                          (["--curve", f"0={s0},10={a}", "--compare", f"{s0},{a}", "--out", str(out)],
                           "one of the three")]:
-        res = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)

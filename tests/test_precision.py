@@ -10,14 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_update
 from test_distributed import fixed_trajectories
 
-import policy
+from models import policy
 import train
-import update
 from engines import HFEngine
-from tiny_model import build_model
+from models.tiny import build_model
 
 
 def tiny(seed: int = 0):
@@ -29,7 +28,8 @@ def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32):
     cfg = train.parse_args(["--env", "corridor", *flags])
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
     return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None, critic=None,
-                           optims={"policy": opt}, pad=0, device=torch.device("cpu"))
+                           optims={"policy": opt}, pad=0, device=torch.device("cpu"),
+                           engine_kind=cfg.engine)
 
 
 def tied_groups(trajs, groups=(0, 1)):
@@ -52,21 +52,21 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
     base = tiny()
     trajs = tied_groups(fixed_trajectories(base))
     forwarded = {"skip": 0, "all": 0}
-    real_micro_step = update.micro_step
+    real_micro_step = train.micro_step
     results = {}
     for mode in ("skip", "all"):
         model = copy.deepcopy(base)
         run = run_of(flags, model, optim=optim)
         if mode == "all":
-            monkeypatch.setattr(update, "idle_rows", lambda *a: set())
+            monkeypatch.setattr(train, "idle_rows", lambda *a: set())
 
         def counting(run_, batch, mask, targets, idx, *a, _mode=mode, **kw):
             forwarded[_mode] += len(idx)
             return real_micro_step(run_, batch, mask, targets, idx, *a, **kw)
 
-        monkeypatch.setattr(update, "micro_step", counting)
+        monkeypatch.setattr(train, "micro_step", counting)
         torch.manual_seed(1)
-        metrics = [train.update(run, trajs) for _ in range(3)]
+        metrics = [train_update(run, trajs) for _ in range(3)]
         monkeypatch.undo()
         results[mode] = (model, metrics)
     (skip_model, skip_metrics), (all_model, _) = results["skip"], results["all"]
@@ -81,9 +81,9 @@ def test_no_rows_are_skipped_when_a_loss_term_reads_them():
     """With a KL or entropy term, a row without advantage still has a gradient: nothing is skipped."""
     trajs = tied_groups(fixed_trajectories(tiny()))
     run = run_of(["--entropy-coef", "0.01"], tiny())
-    assert train.update(run, trajs)["idle_rows"] == 0
+    assert train_update(run, trajs)["idle_rows"] == 0
     run = run_of([], tiny())
-    assert train.update(run, trajs)["idle_rows"] == 4
+    assert train_update(run, trajs)["idle_rows"] == 4
 
 
 def test_bf16_gradients_reach_the_fp32_master_without_rounding_the_update_away():
@@ -154,11 +154,11 @@ def test_train_py_runs_in_bf16_with_fp32_checkpoints(tmp_path):
     assert json.load(open(out / "config.json"))["dtype"] == "bf16"
 
 
-@pytest.mark.parametrize("script", ["train", "eval", "sft"])
+@pytest.mark.parametrize("script", ["train", "eval", "recipes.sft"])
 def test_the_scripts_let_idle_openmp_threads_sleep(script):
     """OMP_WAIT_POLICY=PASSIVE is set before torch loads OpenMP (on shared cores, spinning threads made a
     tiny model's update 6x slower); a value the user set is kept."""
-    code = f"import os, {script}; print(os.environ['OMP_WAIT_POLICY'])"
+    code = f"import os, {script}; print(os.environ['OMP_WAIT_POLICY'])"  # before torch
     env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
     got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert got.stdout.strip() == "PASSIVE", got.stderr[-1000:]

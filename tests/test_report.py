@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-import report
+from trainer import report
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
         "--schedule", "2", "--steps", "2", "--eval-every", "2", "--eval-tasks", "3", "--eval-samples", "2"]
@@ -96,19 +96,20 @@ def test_a_missing_package_is_named_at_parse_time(tmp_path, monkeypatch):
         "        if name.split('.')[0] == 'tensorboard':\n"
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n")
-    for script in ("train.py", "sft.py"):
-        r = subprocess.run([sys.executable, script, "--env", "corridor", "--report-to", "tensorboard", "--out",
-                            str(tmp_path / script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": str(hide)})
+    for script in (["train.py"], ["-m", "recipes.sft"]):
+        out = tmp_path / script[-1]
+        r = subprocess.run([sys.executable, *script, "--env", "corridor", "--report-to", "tensorboard", "--out",
+                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), ROOT])})
         assert r.returncode == 2, r.stderr[-2000:]
         assert "--report-to tensorboard needs the tensorboard package" in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / script).exists()
+        assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_sft_reports_its_losses(tmp_path, cache_dir):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (requirements-test.txt has it)")
     out = tmp_path / "sft"
-    r = subprocess.run([sys.executable, "sft.py", "--env", "corridor", "--out", str(out), "--epochs", "1",
+    r = subprocess.run([sys.executable, "-m", "recipes.sft", "--env", "corridor", "--out", str(out), "--epochs", "1",
                         "--tasks", "0-7", "--threads", "1", "--cache-dir", cache_dir, "--report-to", "tensorboard"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

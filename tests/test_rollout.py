@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import sampled_runs
 
-from agents import ONE_ACTION_ERROR
+from env_server.agents import ONE_ACTION_ERROR
 from env_client import EnvPool, Step
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
-from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success, length_buckets,
+from models.policy import length_buckets
+from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success,
                      rollout, write_log)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,7 +182,7 @@ def test_length_buckets_keep_padding_small():
 def test_hf_engine_logprobs_match_a_forward_pass(tmp_path):
     """Left padding, position ids and the KV cache: the engine's log-probs equal those of one plain
     forward pass over prompt + sample, row by row."""
-    from tiny_model import build_model
+    from models.tiny import build_model
     torch.manual_seed(0)
     model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
     engine = HFEngine(model, pad_id=0)
@@ -205,7 +206,7 @@ def test_hf_engine_samples_with_a_generator_on_the_models_device_or_the_cpu(wher
     """train.py makes its generator on torch.device(cfg.device), "cuda" without an index, while the
     model's tensors are on "cuda:0": sampling must take it as the same device. A CPU generator drives a
     model elsewhere too. Same seed, same samples."""
-    from tiny_model import build_model
+    from models.tiny import build_model
     torch.manual_seed(0)
     model = build_model(vocab_size=64, layers=2, hidden=32, heads=2).to(where)
     engine = HFEngine(model, pad_id=0)
@@ -214,66 +215,6 @@ def test_hf_engine_samples_with_a_generator_on_the_models_device_or_the_cpu(wher
         draw = lambda: [s.ids for s in engine.generate(  # noqa: E731
             prompts, 6, [3], temperature=1.0, generator=torch.Generator(gen_device).manual_seed(7))]
         assert draw() == draw()
-
-
-def test_hf_engine_keeps_the_cache_across_turns():
-    """reuse=True: each turn encodes only what the previous call did not see, and samples what a full
-    encoding samples (greedy ids equal, log-probs to float rounding), with rows finishing in between and
-    a new conversation joining. After an in-place weight change nothing is reused."""
-    from tiny_model import build_model
-    torch.manual_seed(0)
-    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
-    kept, fresh = HFEngine(model, pad_id=0, max_batch=3), HFEngine(model, pad_id=0)  # kept: in chunks of 3
-    g = torch.Generator().manual_seed(1)
-    rand = lambda n: [int(x) for x in torch.randint(4, 64, (n,), generator=g)]  # noqa: E731
-    prompts = [rand(n) for n in (5, 17, 9, 30, 11)]
-    encoded = []
-    for turn in range(4):
-        a = kept.generate(prompts, 6, [3], temperature=0.0, reuse=True)
-        b = fresh.generate(prompts, 6, [3], temperature=0.0)
-        assert [s.ids for s in a] == [s.ids for s in b]
-        for s, t in zip(a, b):
-            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5)
-        encoded.append(kept.encoded_tokens)
-        obs = rand(4)
-        prompts = [p + s.ids + obs for p, s in zip(prompts, a)]
-        if turn == 1:
-            prompts = prompts[1:] + [rand(12)]  # the first conversation ends, a new one starts
-    total = sum(len(p) for p in prompts)
-    assert kept.reused_tokens > 0 and encoded[-1] - encoded[-2] < 0.5 * total  # a turn encodes a fraction
-    with torch.no_grad():
-        next(model.parameters()).add_(0.01)  # what an optimizer step does
-    before = kept.reused_tokens
-    a = kept.generate(prompts, 6, [3], temperature=0.0, reuse=True)
-    assert kept.reused_tokens == before  # stale keys and values are not reused
-    assert [s.ids for s in a] == [s.ids for s in fresh.generate(prompts, 6, [3], temperature=0.0)]
-    kept.forget()
-    assert kept._kept is None
-
-
-def test_hf_engine_decodes_only_the_rows_still_going():
-    """Once half the rows have stopped, the rest are decoded alone: the same samples and log-probs as
-    decoding every row to the end (each row's sampling stream is unchanged), fewer rows computed, and
-    the cache kept for the next turn still serves it (three turns with reuse=True)."""
-    from tiny_model import build_model
-    torch.manual_seed(0)
-    model = build_model(vocab_size=64, layers=2, hidden=32, heads=2)
-    compact, plain = HFEngine(model, pad_id=0), HFEngine(model, pad_id=0, compact=False)
-    g = torch.Generator().manual_seed(3)
-    prompts = [[int(x) for x in torch.randint(10, 64, (n,), generator=g)] for n in (4, 9, 13, 6, 21, 8, 5, 11)]
-    stops = list(range(1, 10))  # about one token in seven stops a row: rows end at different steps
-    stopped_at = []
-    for turn in range(3):
-        a = compact.generate(prompts, 24, stops, 1.0, generator=torch.Generator().manual_seed(turn), reuse=True)
-        b = plain.generate(prompts, 24, stops, 1.0, generator=torch.Generator().manual_seed(turn))
-        assert [s.ids for s in a] == [s.ids for s in b]
-        for s, t in zip(a, b):
-            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5)
-        stopped_at.append(sorted(len(s.ids) for s in a))
-        prompts = [p + s.ids + [12, 13] for p, s in zip(prompts, a)]
-    assert all(x[0] < x[-1] for x in stopped_at)  # rows did stop at different steps
-    assert compact.reused_tokens > 0  # the compacted cache was kept and reused
-    assert compact.decoded_rows < 0.8 * plain.decoded_rows, (compact.decoded_rows, plain.decoded_rows)
 
 
 def test_fewer_tasks_than_instances_leave_the_rest_idle(textcraft_url):

@@ -1,12 +1,17 @@
-"""scheduler.py: stage boundaries, CLI parsing, exact resume, stage_bounds."""
+"""scheduler.py: stage boundaries, CLI parsing, exact resume, stage_bounds; and trainer/plateau.py's
+PlateauHorizon, which registers --schedule-kind plateau when imported."""
 
 import copy
 import json
 import random
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 
-from scheduler import (FixedHorizon, PlateauHorizon, StepwiseHorizon, make_schedule, stage_bounds)
+from scheduler import FixedHorizon, StepwiseHorizon, make_schedule, stage_bounds
+from trainer.plateau import PlateauHorizon
 
 
 def test_fixed():
@@ -43,6 +48,16 @@ def test_make_schedule_forms():
 def test_make_schedule_rejects(bad):
     with pytest.raises(ValueError, match="--schedule"):
         make_schedule(bad, every=100)
+
+
+def test_the_plateau_kind_is_registered_by_its_layer():
+    """The core knows "step" alone; importing trainer/plateau.py adds "plateau" (a fresh process:
+    this file's own import has registered it here already)."""
+    code = ("import scheduler; before = sorted(scheduler.SCHEDULES); import trainer.plateau; "
+            "print(before, sorted(scheduler.SCHEDULES))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split("\n")[0] == "['step'] ['plateau', 'step']", out.stderr
 
 
 def test_make_schedule_rejects_bad_every_and_kind():

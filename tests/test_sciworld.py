@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import raw
 
-from agents import react_reply
+from env_server.agents import react_reply
 from env_client import EnvClient, EnvError, EnvPool
 from env_server import get_env_class
 from env_server.app import ServerProcess
@@ -133,11 +133,13 @@ def test_every_endpoint(server, world):
     try:
         task = first_test_id(world, "find-living-thing")
         status, r = raw(url, "POST", "/reset", {"id": iid, "data_idx": task})
-        assert status == 200 and (r["reward"], r["score"], r["done"]) == (0, 0, False)
-        description, look = r["observation"].split("\n", 1)
+        assert status == 200 and (r["reward"], r["score"]) == (0, 0)
+        assert r["done"] is False and r["deleted"] is False
+        assert (r["task_name"], r["var_num"]) == world.games[task]  # upstream's answer, key for key
+        description, look = r["task_description"], r["observation"]  # apart, as upstream sends them
         assert description.startswith("Your task is to find a(n) living thing.")
         assert look.startswith("This room is called the ")  # "look around", played by reset as upstream
-        assert raw(url, "GET", f"/observation?id={iid}") == (200, r["observation"])
+        assert raw(url, "GET", f"/observation?id={iid}") == (200, look)
         status, actions = raw(url, "GET", f"/available_actions?id={iid}")
         assert status == 200 and {"look around", "focus on OBJ", "move OBJ to OBJ"} <= set(actions)
         status, d = raw(url, "GET", f"/detail?id={iid}")
@@ -270,6 +272,9 @@ def test_server_scores_0_to_100_and_the_rollout_reads_0_to_1(server, client, wor
     with EnvPool(server.url, 1) as pool:  # its instance takes the JVM the shared one leaves
         rec, policy = RecordingPool(pool), ExpertReplies(pool)
         done, = rollout(policy, rec, "sciworld", [task], [0], RolloutConfig(max_turns=30))
+        description = pool.clients[0].detail()["task_description"]
+    first = done.messages[2]["content"]  # the policy's first view: the task once, then the room
+    assert first.startswith(description + "\nThis room is ") and first.count(description) == 1
     scores = [s.raw["score"] for s in rec.steps]
     assert all(type(v) is int for v in scores) and scores[-1] == 100, scores
     assert any(0 < v < 100 for v in scores), scores  # sub-goal credit along the way

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import ROOT, sampled_runs
 
-import sft
-import warmstart
+from recipes import sft
+from models import warmstart
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
-from agents import opens_by_guessing, react_reply
+from env_server.agents import opens_by_guessing, react_reply
 from rollout import ChatFormat, RolloutConfig, Trajectory, is_success, write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,7 +26,7 @@ FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
 
 @pytest.fixture(scope="module")
 def corridor_model_path(tmp_path_factory):
-    import tiny_model
+    import models.tiny as tiny_model
     return tiny_model.build(str(tmp_path_factory.mktemp("tiny") / "corridor"), env_names=("corridor",),
                             tokenizer="words", layers=2, hidden=64)
 
@@ -191,7 +191,7 @@ def test_copy_pretraining_teaches_copying_from_context(corridor_model_path):
     import math
     import random
 
-    import tiny_model
+    import models.tiny as tiny_model
     model, tok = load(corridor_model_path)
     vocab = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
     held_out = warmstart.copy_batch(random.Random(99), vocab, [], 64, 16)  # random tokens only
@@ -258,7 +258,7 @@ def test_load_log_reads_files_and_folders(tmp_path, corridor_model_path):
 
 
 def run_cli(args):
-    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "recipes.sft", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):

@@ -13,8 +13,8 @@ import torch
 from conftest import sampled_runs
 from test_rollout import REPLIES, in_context, play, textcraft_url  # noqa: F401 (a fixture)
 
-import models
-import policy
+import models.builtin as models
+from models import policy
 from engines import HFEngine
 from rollout import ChatFormat
 
@@ -151,7 +151,7 @@ def test_the_name_works_in_the_three_scripts(smollm2, tmp_path):
         "sft.py": ["--tasks", "0,1", "--epochs", "1", "--out", str(tmp_path / "sft")],
     }
     for script, args in runs.items():
-        r = subprocess.run([sys.executable, script, *common, *args], cwd=ROOT, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, *(["-m", "recipes.sft"] if script == "sft.py" else [script]), *common, *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, (script, r.stderr[-2000:])
     assert json.load(open(tmp_path / "run" / "config.json"))["model"] == "smollm2-135m"

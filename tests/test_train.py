@@ -9,14 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_update
 
-import models
-import policy
-from policy import Precision
+import models.builtin as models
+from models import policy
+from models.policy import Precision
 import train
-import warmstart
-from env_client import spread
+from trainer import run as run_layer
+from models import warmstart
+from trainer.tasks import spread
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
         "--eval-every", "0"]
@@ -37,9 +38,9 @@ def run_train(args, cache_dir, check=True):
 
 
 def update_run(cfg, model, optims, pad, critic=None, ref=None):
-    """What train.update reads of a run (train.Run), for calling it on a model directly."""
+    """What train.update reads of a run (trainer/run.py's Run), for calling it on a model directly."""
     return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=pad,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), engine_kind=cfg.engine)
 
 
 def metrics(out_dir):
@@ -52,6 +53,7 @@ def metrics(out_dir):
     ("rloo", ["--ppo-epochs", "2", "--mini-batch-size", "2"]),
     ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean", "--temperature", "0.7"]),  # tempered log-probs
     ("ppo", ["--lam", "0.95", "--dual-clip", "3", "--lr-decay", "cosine"]),
+    ("gigpo", ["--gamma", "0.95", "--step-adv-weight", "0.5"]),  # step-level credit, wired end to end
 ])
 def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     out = str(tmp_path / "run")
@@ -109,26 +111,26 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
 
 def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
     for steps in (1, 2, 15):
-        assert [train.lr_at(s, steps, "none") for s in range(1, steps + 1)] == [1.0] * steps
+        assert [run_layer.lr_at(s, steps, "none") for s in range(1, steps + 1)] == [1.0] * steps
         for decay in ("linear", "cosine"):
-            shares = [train.lr_at(s, steps, decay) for s in range(1, steps + 1)]
+            shares = [run_layer.lr_at(s, steps, decay) for s in range(1, steps + 1)]
             assert shares[0] == 1.0 and shares[-1] == pytest.approx(1 / steps)
             assert all(a > b for a, b in zip(shares, shares[1:]))
     # the cosine holds the rate higher early and lower late than the straight line
-    assert train.lr_at(4, 15, "cosine") > train.lr_at(4, 15, "linear")
-    assert train.lr_at(12, 15, "cosine") < train.lr_at(12, 15, "linear")
-    cfg = train.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
+    assert run_layer.lr_at(4, 15, "cosine") > run_layer.lr_at(4, 15, "linear")
+    assert run_layer.lr_at(12, 15, "cosine") < run_layer.lr_at(12, 15, "linear")
+    cfg = train.config.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
     optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for name in ("policy", "critic")}
-    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3) == pytest.approx(5e-4)
+    assert run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3) == pytest.approx(5e-4)
     assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
     # the --max-update-kl guard's scale multiplies it
-    assert train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3) == pytest.approx(2.5e-4)
+    assert run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3) == pytest.approx(2.5e-4)
 
 
 def test_warmup_rises_to_the_rate_then_follows_the_decay():
-    assert [train.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)] == [0.25, 0.5, 0.75, 1.0, 1.0]
-    assert train.lr_at(2, 10, "cosine", warmup=3) == pytest.approx(0.5 * train.lr_at(2, 10, "cosine"))
-    assert [train.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
+    assert [run_layer.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert run_layer.lr_at(2, 10, "cosine", warmup=3) == pytest.approx(0.5 * run_layer.lr_at(2, 10, "cosine"))
+    assert [run_layer.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
 
 
 def test_uses_a_running_env_server(tmp_path, cache_dir):
@@ -164,7 +166,7 @@ def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
 
 
 def test_rollout_metrics_count_episodes_that_open_with_a_guess():
-    from agents import GUESS_THOUGHT, opening_messages, react_reply
+    from env_server.agents import GUESS_THOUGHT, opening_messages, react_reply
     from rollout import Trajectory
     trajs = []
     for thought in (GUESS_THOUGHT, None, GUESS_THOUGHT, "left is closer"):
@@ -172,7 +174,7 @@ def test_rollout_metrics_count_episodes_that_open_with_a_guess():
                                                                   "content": react_reply("corridor", "left", thought)}]
         trajs.append(Trajectory("corridor", 0, 0, msgs, [], [], [], status="done", reward=1.0))
     trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [], []))  # no reply
-    m = train.rollout_metrics(trajs, 4, 1.0)
+    m = run_layer.rollout_metrics(trajs, 4, 1.0)
     assert m["guess_share"] == 2 / 5 and m["success_rate"] == 4 / 5
 
 
@@ -204,7 +206,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
         for micro in (100_000, 1):  # one micro-batch / one row per micro-batch
             c = train.parse_args([*TINY, "--loss-agg", mode, "--micro-batch-tokens", str(micro)])
             m = copy.deepcopy(model)
-            train.update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, tok.pad_token_id), trajs)
+            train_update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, tok.pad_token_id), trajs)
             results.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert (results[0] - before).abs().max() > 1e-6
@@ -216,7 +218,7 @@ def test_masked_logprobs_equal_the_full_forward():
     (log-probs and entropies), 0 elsewhere, same gradients."""
     import torch
 
-    from tiny_model import build_model
+    from models.tiny import build_model
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
     ids = torch.randint(0, 50, (3, 12))
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(12).repeat(3, 1)}

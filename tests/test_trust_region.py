@@ -17,6 +17,7 @@ from conftest import ROOT
 
 import rollout
 import train
+from trainer import run as run_layer
 from rollout import Trajectory
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4", "--threads", "1",
@@ -70,13 +71,13 @@ def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
 def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(capsys):
     run = SimpleNamespace(cfg=SimpleNamespace(max_update_kl=0.01), lr_scale=1.0)
     m = {"update_kl": 0.005}
-    train.guard(run, 1, m)
+    run_layer.guard(run, 1, m)
     assert run.lr_scale == 1.0 and m["lr_scale"] == 1.0
     m = {"update_kl": 0.02}
-    train.guard(run, 2, m)
+    run_layer.guard(run, 2, m)
     assert run.lr_scale == 0.5 and m["lr_scale"] == 0.5 and "learning rate halved" in capsys.readouterr().out
     run.cfg.max_update_kl = 0.0  # off
-    train.guard(run, 3, {"update_kl": 9.0})
+    run_layer.guard(run, 3, {"update_kl": 9.0})
     assert run.lr_scale == 0.5
 
 
@@ -98,10 +99,10 @@ def test_dynamic_sampling_replaces_tied_groups_within_its_bound():
 
     first = [traj(0, 1.0), traj(0, 1.0), traj(1, 0.0), traj(1, 1.0), traj(2, 0.0), traj(2, 0.0),
              traj(3, 1.0), traj(3, 0.0)]  # groups 1 and 3 informative
-    kept, extra = train.resample(run, first, play_groups)
+    kept, extra = run_layer.resample(run, first, play_groups)
     assert played == [[4, 5], [6]]  # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
     assert {t.group for t in kept} == {1, 3, 5} and {t.group for t in extra} == {4, 5, 6}
-    assert rollout.informative_groups(kept) == {1, 3, 5}
+    assert run_layer.informative_groups(kept) == {1, 3, 5}
 
 
 def test_dynamic_sampling_stops_after_max_resample_rounds():
@@ -113,7 +114,7 @@ def test_dynamic_sampling_stops_after_max_resample_rounds():
         rounds.append(len(set(groups)))
         return [traj(g, 0.0, item) for item, g in zip(item_ids, groups)]
 
-    kept, extra = train.resample(run, [traj(0, 0.0), traj(0, 1.0)] + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)],
+    kept, extra = run_layer.resample(run, [traj(0, 0.0), traj(0, 1.0)] + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)],
                                  all_tied)
     assert rounds == [3, 3, 3] and {t.group for t in kept} == {0} and len(extra) == 18
 
@@ -133,10 +134,10 @@ def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
                 for i, (item, g) in enumerate(zip(item_ids, groups))]
 
     first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9), traj(2, 0.0, 9)]
-    kept, extra = train.resample(run, first, play_groups)
+    kept, extra = run_layer.resample(run, first, play_groups)
     assert played == [[(7, 1), (7, 1), (9, 2), (9, 2)], [(9, 2), (9, 2)]]
     assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]  # group 1 grew to 4 and trains; group 2 stays out
-    assert len(extra) == 6 and rollout.informative_groups(kept) == {0, 1}
+    assert len(extra) == 6 and run_layer.informative_groups(kept) == {0, 1}
     with pytest.raises(SystemExit):  # extend is a kind of dynamic sampling
         train.parse_args(["--env", "corridor", "--no-dynamic-sampling", "--resample", "extend"])
     assert "--resample extend is a kind of dynamic sampling" in capsys.readouterr().err
@@ -167,11 +168,11 @@ def test_a_signal_during_an_update_saves_that_steps_checkpoint(tmp_path):
         f"sys.path.insert(0, {ROOT!r})\n"
         "import train\n"
         "real, calls = train.update, []\n"
-        "def update(run, trajs):\n"
+        "def update(*args):\n"
         "    calls.append(1)\n"
         "    if len(calls) == 2:\n"
         "        os.kill(os.getpid(), signal.SIGTERM)  # held back until the update is made\n"
-        "    return real(run, trajs)\n"
+        "    return real(*args)\n"
         "train.update = update\n"
         "train.main(train.parse_args(sys.argv[1:]))\n")
     out = tmp_path / "run"

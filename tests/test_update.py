@@ -11,19 +11,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_update
 from test_distributed import fixed_trajectories
 
-import policy
-from policy import Precision
+from models import policy
+from models.policy import Precision
 import train
 from engines import HFEngine
-from tiny_model import build_model
+from models.tiny import build_model
 
 
 @pytest.fixture(scope="module")
 def corridor_folder(tmp_path_factory):
-    import tiny_model
+    import models.tiny as tiny_model
     return tiny_model.build(str(tmp_path_factory.mktemp("tiny") / "corridor"), env_names=("corridor",),
                             tokenizer="words", layers=2, hidden=64)
 
@@ -59,7 +59,7 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=lr)
     return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), engine_kind=cfg.engine)
 
 
 def logits_on_sampled(model, trajs) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_the_kl_term_pulls_toward_the_reference(kind):
     before = exact_kl(model, ref, trajs)
     run = tiny_run(["--kl-coef", "1.0", "--kl-kind", kind], model, ref=ref, lr=0.1)
     for _ in range(5):  # small clipped steps; with the sign flipped the KL triples (0.05 -> 0.13-0.15)
-        train.update(run, trajs)
+        train_update(run, trajs)
     after = exact_kl(model, ref, trajs)
     assert after < 0.9 * before, (before, after)
 
@@ -122,7 +122,7 @@ def test_the_entropy_bonus_raises_the_entropy():
     before = entropy(model, trajs)
     run = tiny_run(["--entropy-coef", "1.0"], model, lr=0.1)
     for _ in range(5):  # 1.84 -> 2.33 nats; with the sign flipped, 1.34
-        train.update(run, trajs)
+        train_update(run, trajs)
     assert entropy(model, trajs) > before + 0.2, (before, entropy(model, trajs))
 
 
@@ -140,7 +140,7 @@ def test_the_critic_loss_adds_up_over_micro_batches(tmp_path):
             m, critic = copy.deepcopy(model), policy.Critic(str(tmp_path / "m"))
             torch.nn.init.normal_(critic.head.weight, std=0.1)  # a critic that already predicts something
             torch.manual_seed(2)
-            train.update(tiny_run(["--algo", "ppo", "--loss-agg", mode, "--micro-batch-tokens", micro], m,
+            train_update(tiny_run(["--algo", "ppo", "--loss-agg", mode, "--micro-batch-tokens", micro], m,
                                   critic=critic, lr=0.1), trajs)
             critics.append(torch.cat([p.detach().flatten() for p in critic.parameters()]))
         assert torch.allclose(critics[0], critics[1], atol=1e-6), (mode, (critics[0] - critics[1]).abs().max())

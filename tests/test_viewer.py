@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-import viewer
+from tools import viewer
 
 XSS = "<script>alert(1)</script>"
 
@@ -187,7 +187,7 @@ def test_a_trajectory_page_reads_only_up_to_its_line(tmp_path):
 
 
 def test_cli_rejects_a_missing_folder(tmp_path):
-    res = subprocess.run([sys.executable, "viewer.py", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "nope: no such folder or file" in res.stderr
 
@@ -200,7 +200,7 @@ def test_a_taken_port_is_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "viewer.py", str(tmp_path / "run"), "--port", str(port)], cwd=ROOT,
+        res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "run"), "--port", str(port)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
@@ -306,7 +306,7 @@ def test_browser_click_through_to_token_view(tmp_path):
 
 
 def test_update_kl_and_informative_groups_are_drawn_when_logged(tmp_path):
-    import viewer
+    from tools import viewer
     run = tmp_path / "r"
     run.mkdir()
     with open(run / "metrics.jsonl", "w") as f:

@@ -328,32 +328,34 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     0 keeps it."""
     import eval as ev
     import train
+    from models.loading import load_local
+    from trainer import run as run_layer
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     base = ["--env", "textcraft", "--model", str(tmp_path), "--engine", "vllm", "--max-context", "1024"]
     for extra, tokens in (([], 8 * 4 * 1024), (["--vllm-kv-tokens", "3000"], 3000)):
         cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4", "--eval-every", "0", *extra])
-        train.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
+        run_layer.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
         want = (tokens + engines.VLLM_RESERVED_TOKENS) * 2 * SMOLLM2_KV_BYTES_PER_TOKEN  # fp32 here
         assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
     cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16", "--vllm-kv-tokens", "2000"])
-    monkeypatch.setattr("policy.load_tokenizer", lambda path: types.SimpleNamespace())  # no tokenizer files here
-    monkeypatch.setattr("policy.pad_id", lambda tokenizer: 0)
+    monkeypatch.setattr("models.policy.load_tokenizer", lambda path: types.SimpleNamespace())  # no tokenizer files here
+    monkeypatch.setattr("models.policy.pad_id", lambda tokenizer: 0)
     monkeypatch.setattr("rollout.ChatFormat", lambda tokenizer: None)
-    ev.load_local(cfg)
+    load_local(cfg)
     want = (2000 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
     assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
     # without --vllm-kv-tokens: --batch contexts, or the episodes to play where fewer
     cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16"])
     for episodes, at_once in ((None, 6), (20, 6), (4, 4)):
-        ev.load_local(cfg, episodes)
+        load_local(cfg, episodes)
         want = (at_once * 1024 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
         assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
         assert fake_cpu_vllm.llms[-1].kwargs["max_num_seqs"] == at_once
 
 
 def test_param_count_reads_safetensors_headers(tmp_path):
-    from tiny_model import build_model
+    from models.tiny import build_model
 
     model = build_model(300, layers=1, hidden=32, heads=2)
     model.save_pretrained(tmp_path)
@@ -366,7 +368,7 @@ def test_param_count_reads_safetensors_headers(tmp_path):
 
 def test_resolve_engine_auto(monkeypatch, tmp_path, capsys):
     """auto: HF for the tiny model and where vllm does not import, vLLM for a real model where it does."""
-    from tiny_model import build_model
+    from models.tiny import build_model
 
     build_model(300, layers=1, hidden=32, heads=2).save_pretrained(tmp_path / "tiny")
     assert engines.resolve_engine("hf", "/any", "cpu") == "hf" and engines.resolve_engine("vllm", "/any", "cpu") == "vllm"

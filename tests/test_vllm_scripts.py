@@ -27,7 +27,7 @@ WARM_TASKS = "4"  # $AGENTGYM_WARM_TASKS: the SFT warm start on 4 training tasks
 
 def start(script: str, args: list[str], log: str) -> subprocess.Popen:
     """The script as a child process, its output in the file `log` (vLLM logs more than a pipe holds)."""
-    proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=open(log, "w"),
+    proc = subprocess.Popen([sys.executable, *(["-m", "recipes.sft"] if script == "sft.py" else [script]), *args], cwd=ROOT, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "AGENTGYM_WARM_TASKS": WARM_TASKS})
     proc.log = log
     return proc
@@ -52,7 +52,7 @@ def wait_for_step(out: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def warm_folder() -> str:
-    import models
+    import models.builtin as models
 
     os.environ["AGENTGYM_WARM_TASKS"] = WARM_TASKS
     try:

@@ -15,8 +15,9 @@ from conftest import ROOT
 from flask import Flask, jsonify, request
 
 import eval as ev
-from agents import WEBARENA_NO_ACTION, parse_action
-from env_client import EnvClient, EnvError, EnvPool, _step_from, task_splits
+from env_server.agents import WEBARENA_NO_ACTION, parse_action
+from env_client import EnvClient, EnvError, EnvPool, _step_from
+from trainer.tasks import task_splits
 from env_server.app import serve_wsgi_in_thread
 
 
@@ -141,7 +142,7 @@ def test_eval_against_the_webarena_protocol(tmp_path, webarena_url, tasks_file, 
 
 
 def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url):
-    import tiny_model
+    import models.tiny as tiny_model
 
     tasks_file = tmp_path / "splits.json"  # training may not share ids with the held-out split
     tasks_file.write_text(json.dumps({"train": [0, 1], "test": [2]}))

@@ -9,7 +9,7 @@ use). Put the class in env_server/NAME.py and the call in agents.py, next to the
 
 import time
 
-from agents import parse_thought_action, register_env
+from env_server.agents import parse_thought_action, register_env
 from env_server.base import Env, StepResult, TaskError
 
 

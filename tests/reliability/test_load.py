@@ -23,7 +23,8 @@ import pytest
 from conftest import raw
 
 from bench.soak import Tally, play, spread
-from env_client import EnvError, EnvPool, task_splits
+from env_client import EnvError, EnvPool
+from trainer.tasks import task_splits
 from env_server.app import ServerProcess
 
 INSTANCES = 256

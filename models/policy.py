@@ -1,0 +1,308 @@
+"""The policy: loading a model and its tokenizer, the critic, token log-probs, FSDP sharding.
+
+Everything that touches the model's weights and is shared by train.py, eval.py, sft.py and the warm
+start lives here; where a model comes from (a folder, a hub name, a built-in name) is models.py.
+
+- `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its
+  eos.
+- `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
+- `resolve_dtype` / `Precision`: --dtype auto|fp32|bf16; with bf16, forward, backward and generation
+  run on a bf16 copy of the weights while the optimizer keeps fp32 master weights (what FSDP does on
+  CUDA).
+- `Critic`: a value head on a copy of the policy's transformer body (PPO).
+- `token_logprobs`: the trainer's side of the sampler's tempered log-probs, (b, T-1), computing the
+  LM head on the sampled positions only.
+- `shard_model`: FSDP2 sharding under torchrun.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+
+import algos
+from trainer.distributed import world_size
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def pad_id(tokenizer) -> int:
+    """The id padded rows are filled with (attention masks hide it): the tokenizer's pad token, else
+    its eos token."""
+    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pid is None:
+        raise ValueError("the tokenizer has neither a pad nor an eos token to pad rows with")
+    return pid
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float32):
+    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the checkpoint's
+    own). A grouped-query model (fewer key/value heads than query heads, as SmolLM2 and Qwen have)
+    attends with `grouped_sdpa`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
+    cfg = model.config
+    if getattr(cfg, "num_key_value_heads", None) and \
+            cfg.num_key_value_heads < cfg.num_attention_heads and \
+            cfg._attn_implementation == "sdpa":
+        _register_grouped_sdpa()
+        model.set_attn_implementation("grouped_sdpa")
+    return model
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): there a bf16 matrix
+    product runs 4-6x faster than fp32; elsewhere bf16 is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: no way to tell cheaply, so no
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+from engines import MIN_BF16_PARAMS  # noqa: E402
+# (below it, matrices are too small for bf16 to pay)
+
+
+def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> torch.dtype:
+    """--dtype: `fp32`, `bf16`, or `auto`: bf16 on CUDA and on CPUs with native bf16 (cpu_has_bf16)
+    for a model of at least MIN_BF16_PARAMS parameters, fp32 otherwise."""
+    if name == "auto":
+        kind = torch.device(device).type
+        fast = kind == "cuda" or (kind == "cpu" and cpu_has_bf16())
+        big = model is None or sum(p.numel() for p in model.parameters()) >= MIN_BF16_PARAMS
+        return torch.bfloat16 if fast and big else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: expected auto, fp32 or bf16")
+    return DTYPES[name]
+
+
+class Precision:
+    """fp32 master weights and the copy that computes.
+
+    With `dtype` float32 the master computes itself (`model` is `master`) and every method is a
+    no-op. With bf16, `model` is a bf16 copy: the forward, the backward and generation run on it
+    (activations, KV cache and gradients in bf16; log-softmax and losses in fp32, as token_logprobs
+    and the engine do), while the optimizer, gradient clipping and checkpoints use the fp32
+    `master`: bf16 weights would round most small updates away. After each backward `collect_grads`
+    adds the copy's gradients into the master's (in fp32, so micro-batches accumulate without bf16
+    rounding); after each optimizer step `sync` rounds the master into the copy. This is FSDP's
+    mixed precision (param_dtype bf16, fp32 shards and optimizer) on one process."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype = torch.float32):
+        self.master, self.dtype = master, dtype
+        self.model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+        self._pairs = ([] if self.model is master
+                       else list(zip(master.parameters(), self.model.parameters())))
+
+    def collect_grads(self) -> None:
+        for m, c in self._pairs:
+            if c.grad is not None:
+                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
+                c.grad = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for m, c in self._pairs:
+            c.copy_(m)
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                 **kw):
+    """transformers' SDPA attention for grouped-query models, without copying the keys and values
+    out to every query head. With a padding mask, transformers repeats each key/value head for its
+    query heads (`repeat_kv`) at every call: in decoding that copies the whole cache, every layer,
+    every token. Here the query heads that share a key/value head become extra query rows of that
+    head instead (query head h uses key/value head h // groups), and the mask's rows are tiled to
+    match: the same attention, computed on the cache as it is. Without a mask, transformers' own
+    path already avoids the copy (SDPA's enable_gqa). query (B, H, q, d), key/value (B, Hkv, k, d)
+    -> (B, q, H, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 \
+            or attention_mask.shape[1] != 1 or kw.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kw)
+    B, H, q, d = query.shape
+    # row g * q + t: query head (kv head, g) at position t
+    rows = query.reshape(B, H // groups, groups * q, d)
+    mask = (attention_mask.repeat(1, 1, groups, 1) if attention_mask.shape[2] == q
+            else attention_mask)
+    # (B, Hkv, groups * q, d)
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register("grouped_sdpa", grouped_sdpa)
+    AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)  # the masks SDPA takes
+
+
+class Critic(torch.nn.Module):
+    """A value head on a copy of the policy's transformer body: V(prefix) for every position."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(path)
+        self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids).last_hidden_state
+        v = self.head(h.to(self.head.weight.dtype))  # (B, T, 1); a bf16 body may feed an fp32 head
+        # (B, T); not a view, which FSDP warns about as a module's output
+        return v.squeeze(-1).float().clone()
+
+
+def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False,
+            dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A model for the trainer: activations recomputed in the backward with `grad_checkpointing`; on
+    the device in float32 (master weights, whatever the checkpoint's dtype: bf16 weights would round
+    most small updates away; `Precision` gives the bf16 copy that computes); under torchrun sharded
+    at once, so that no more than one full copy is ever on a GPU, FSDP computing in `dtype` on
+    CUDA."""
+    if grad_checkpointing:
+        (m.body if isinstance(m, Critic) else m).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    m = m.to(device=device, dtype=torch.float32)
+    return shard_model(m, device, dtype) if world_size() > 1 else m
+
+
+def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
+    """Log-probs (and entropies) of tokens 1..T-1 given their prefixes: (b, T-1), the trainer's side
+    of the sampler's tempered log-probs.
+
+    With `mask` (b, T-1), only positions where it is 1 are computed (0 elsewhere): the LM head, the
+    largest tensor of a small model's step (b x T x vocab), runs on those hidden states alone. That
+    needs logits == output_embeddings(last hidden state), true of Llama, Qwen, Mistral and Phi; it
+    is checked once per model class against the full forward, which is used where it does not
+    hold."""
+    ids = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if mask is None or not _head_split_ok(model):
+        logits = model(**ids).logits[:, :-1].float()
+        sel = None
+    else:
+        sel = mask > 0
+        # (n, V): the masked positions only
+        logits = _masked_logits_of(model)(sel=sel, **ids).float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = mb["input_ids"][:, 1:]
+    lp = algos.logprobs_from_logits(logits, targets if sel is None else targets[sel])
+    ent = algos.entropy_from_logits(logits) if with_entropy else None
+    if sel is not None:  # scatter back to (b, T-1)
+        lp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        if ent is not None:
+            ent = torch.zeros(sel.shape, dtype=ent.dtype,
+                              device=ent.device).masked_scatter(sel, ent)
+    return lp, ent
+
+
+def masked_logits(model, sel=None, **ids) -> torch.Tensor:
+    """The LM head on the last hidden states of positions 0..T-2 where `sel` (b, T-1) is True: (n,
+    V); on all of them without `sel`: (b, T-1, V). Under FSDP it is bound to the model and
+    registered as a forward method (shard_model), so that the root's weights (embeddings, LM head)
+    are gathered for it as they are for forward()."""
+    h = model.base_model(**ids).last_hidden_state[:, :-1]
+    return model.get_output_embeddings()(h if sel is None else h[sel])
+
+
+def _masked_logits_of(model):
+    return getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
+
+
+_HEAD_SPLIT: dict = {}
+
+
+def _head_split_ok(model) -> bool:
+    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), on a short
+    input."""
+    dtype = next(model.parameters()).dtype
+    key = (type(model), dtype)
+    if key not in _HEAD_SPLIT:
+        try:
+            with torch.no_grad():
+                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
+                full = model(input_ids=x).logits[:, :-1]
+                split = _masked_logits_of(model)(input_ids=x)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
+        except Exception:  # no base_model / output embeddings in the usual places
+            _HEAD_SPLIT[key] = False
+    return _HEAD_SPLIT[key]
+
+
+def shard_model(module: torch.nn.Module, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it
+    runs and freed after it (and again in the backward), then the root (embeddings, final norm, LM
+    head or value head), which keeps its weights from the forward to the backward. On CUDA the units
+    compute in `dtype` (bf16 unless --dtype fp32) from fp32 master shards and reduce gradients in
+    fp32; on CPU everything is fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
+
+    mesh = init_device_mesh(device.type, (world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+          if device.type == "cuda" and dtype != torch.float32 else MixedPrecisionPolicy())
+    layer_classes = set().union(*(getattr(m, "_no_split_modules", None) or ()
+                                  for m in module.modules()))
+    for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
+        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    if hasattr(module, "get_output_embeddings") and module.get_output_embeddings() is not None:
+        module.masked_logits = types.MethodType(masked_logits, module)
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if hasattr(module, "masked_logits"):
+        register_fsdp_forward_method(module, "masked_logits")
+    return module
+
+
+def length_buckets(lengths: list[int], max_tokens: int,
+                   overhead_tokens: int | None = None) -> list[list[int]]:
+    """Split row indices into micro-batches of similar length, each with rows x longest <=
+    max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
+    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens / 16).
+    Rows sorted by length make each batch a contiguous run, so a short dynamic programme finds the
+    best cut points."""
+    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    L = [lengths[i] for i in order]
+    n = len(L)
+    prefix = [0]
+    for x in L:
+        prefix.append(prefix[-1] + x)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
+            if L[i] * (j - i) > max_tokens and j - i > 1:
+                break
+            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]

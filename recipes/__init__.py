@@ -1,0 +1,1 @@
+"""Training recipes beside RL: SFT on expert trajectories, AgentEvol, DPO."""

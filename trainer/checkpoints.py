@@ -1,0 +1,186 @@
+"""Saving, resuming and stopping a training run.
+
+A checkpoint is OUT/checkpoint: model/ (an HF folder of full weights: what eval.py, sft.py and vLLM
+load), optim.pt (each optimizer's state, and the critic's weights, as full tensors keyed by
+parameter name, so that a run saved by N ranks resumes on any number) and trainer_state.pt (step,
+schedule state, the data RNG, each rank's sampling and torch RNGs, the config). It is written to
+checkpoint.tmp, synced and swapped in, so that an interrupted write never replaces the last good
+one. `Interrupts` turns Ctrl-C and SIGTERM into a stop at a point that --resume continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+
+import torch
+from tqdm import tqdm
+
+from trainer.distributed import barrier, global_rank
+
+
+def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dict) -> None:
+    """Collective under torchrun: every rank hands its shards to rank 0, which writes
+    OUT/checkpoint.tmp and swaps it in, so an interrupted save never replaces a good one."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    # whole tensors, on rank 0's CPU only
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    owners = {"policy": model, "critic": critic}
+    weights = get_model_state_dict(model, options=full)
+    big = {"optims": {k: get_optimizer_state_dict(owners[k], o, options=full)
+                      for k, o in optims.items()}}
+    if critic is not None:
+        big["critic"] = get_model_state_dict(critic, options=full)
+    if global_rank() == 0:
+        final, tmp, old = (os.path.join(out, n)
+                           for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(os.path.join(tmp, "model"), state_dict=weights)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        torch.save(big, os.path.join(tmp, "optim.pt"))
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        _fsync_tree(tmp)  # on disk before the swap: a power cut must not leave a renamed empty file
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(out)  # the renames themselves on disk: the folder's entries are data too
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def _fsync_tree(folder: str) -> None:
+    """Every file and folder of the tree on disk (a folder's fsync makes its entries durable)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
+    """Optimizer states and critic weights from `ckpt` into the (sharded or plain) modules, whatever
+    the number of ranks that saved them; returns trainer_state.pt. The policy's weights are loaded
+    before, from ckpt/model."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    # each rank cuts its shards out of the full tensors
+    full = StateDictOptions(full_state_dict=True)
+    st = load_data(os.path.join(ckpt, "trainer_state.pt"))
+    big = load_data(os.path.join(ckpt, "optim.pt"), mmap=True)  # mmap: read, not copied
+    owners = {"policy": model, "critic": critic}
+    for k, o in optims.items():
+        set_optimizer_state_dict(owners[k], o, big["optims"][k], options=full)
+    if critic is not None:
+        set_model_state_dict(critic, big["critic"], options=full)
+    return st
+
+
+def load_data(path: str, **kw):
+    """torch.load of plain data only (tensors, numbers, strings, lists, dicts): a pickle that would
+    build any other object, and so could run code, is refused with a ValueError that names the
+    file."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could run "
+                         f"code): {str(e).splitlines()[0]}") from None
+
+
+def resume_command(out: str, script: str = "train.py") -> str:
+    """The command that continues the run in `out` (its config.json holds every other flag), as this
+    process was started: plain python, or torchrun with as many processes per node."""
+    procs = os.environ.get("LOCAL_WORLD_SIZE")
+    head = (f"torchrun --nproc-per-node {procs}"
+            if procs and int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python")
+    return f"{head} {script} --resume --out {shlex.quote(out)}"
+
+
+def find_checkpoint(out: str) -> str | None:
+    for name in ("checkpoint", "checkpoint.old"):  # .old survives a crash between the two renames
+        path = os.path.join(out, name)
+        if os.path.exists(os.path.join(path, "trainer_state.pt")):
+            return path
+    return None
+
+
+class StopNow(BaseException):
+    """A second Ctrl-C / SIGTERM: stop at once, without a checkpoint."""
+
+
+class Interrupts:
+    """Ctrl-C and SIGTERM while training stop the run where --resume continues it exactly.
+
+    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the weights have
+    not changed since the last update, and a resumed run replays the step from the random states
+    taken at its start. Inside (the update, a checkpoint write) it waits for the section's end, so
+    that nothing is saved half updated. Under torchrun every signal waits for the end of the step,
+    where the ranks agree to stop together (a rank leaving in the middle of a collective would hang
+    the others). A second signal stops at once, without a checkpoint; an interrupted write never
+    replaces the last good one.
+    """
+
+    def __init__(self, defer_all: bool):
+        self.defer_all, self.signum, self.depth = defer_all, None, 0
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._on_signal)
+                         for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            raise StopNow(f"{signal.Signals(signum).name} again: stopped without a checkpoint")
+        self.signum = signum
+        if self.depth == 0 and not self.defer_all:
+            raise KeyboardInterrupt
+        if global_rank() == 0:
+            tqdm.write(f"{signal.Signals(signum).name}: stopping after this "
+                       f"{'step' if self.defer_all else 'update'} with a checkpoint (send it again "
+                       "to stop at once, without one)")
+
+    @contextlib.contextmanager
+    def critical(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.depth == 0 and self.signum is not None and not self.defer_all:
+            raise KeyboardInterrupt
+
+
+def truncate_logs(out: str, last_step: int) -> None:
+    """Drop what a run wrote past its checkpoint, before it was stopped: metric and evaluation
+    lines, and rollout logs (the resumed run plays those steps again)."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = [x for x in f if x.strip() and json.loads(x)["step"] <= last_step]
+            with open(path, "w") as f:
+                f.writelines(lines)
+    folder = os.path.join(out, "rollouts")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith("step_") and name[5:11].isdigit() and int(name[5:11]) > last_step:
+            os.remove(os.path.join(folder, name))

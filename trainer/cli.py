@@ -1,0 +1,334 @@
+"""What the scripts' command lines share: a config dataclass becomes the parser, a run's config.json
+can be replayed, errors are one line, and the thread count is chosen in one place.
+
+    @dataclass
+    class Config:
+        lr: float = arg(3e-4, "learning rate")        # -> --lr, with its default in -h
+    cfg = parse_config(Config, argv, __doc__)         # also takes --config FILE (flags override it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import field
+
+from tools.install_check import check_install
+
+
+def arg(default, help: str, group: str | None = None, **kw):
+    """A config field: its default, a one-line help, the -h group it is listed in (None: the
+    essential flags, listed first), and argparse extras (`choices`, which may be a function
+    returning them, read when the parser is built: registries can grow after import)."""
+    return field(default=default, metadata={"help": help, "group": group, **kw})
+
+
+@dataclasses.dataclass
+class Shared:
+    """The flags train.py, eval.py and recipes/sft.py share, declared once; each script's config
+    subclasses this and adds its own."""
+    env: str = arg("textcraft", "environment (env_server/agents.py's ENVS): textcraft, babyai, "
+                                "sciworld, searchqa, webarena, corridor")
+    env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
+    model: str | None = arg(None, "HF model folder, hub name or built-in name (smollm2-135m, "
+                                  "smollm2-135m-sft); absent: the built-in tiny model, "
+                                  "warm-started")
+    engine: str = arg("auto", "generation engine: HF (anywhere), vLLM (in process, CPU or GPU, "
+                              "where it is installed), or auto: vLLM for models of 10M parameters "
+                              "or more where it imports and one process generates (or on CUDA), "
+                              "else HF",
+                      choices=["auto", "hf", "vllm"])
+    seed: int = arg(0, "seed of task order, noise and sampling")
+    temperature: float = arg(1.0, "sampling temperature (the paper trains and evaluates at 1)",
+                             group="generation")
+    max_new_tokens: int = arg(64, "tokens per assistant turn", group="generation")
+    vllm_eager: bool = arg(False, "vLLM: skip compiling the model (starts in ~20 s instead of ~80 "
+                                  "s on 2 cores; decodes slower)", group="generation")
+    dtype: str = arg("auto", "compute dtype (weights and optimizer stay fp32). auto: bf16 on CUDA "
+                             "and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M "
+                             "parameters or more, else fp32 (the built-in tiny model)",
+                     choices=["auto", "fp32", "bf16"], group="run")
+    threads: int = arg(0, "CPU threads for torch per process (0: all cores but one while an env "
+                          "server works, all during an update; shared by the processes of this "
+                          "node). Cores shared with other runs: give each --threads 1 "
+                          "(cli.cpu_threads)", group="run")
+    cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"),
+                         "where built-in models are built once", group="run")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every default in -h and one-line errors (no usage block: train.py has 60
+    flags)."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=Formatter, **kw)
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (-h lists every flag)\n")
+        sys.exit(2)
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written; each flag's help ends with its default, unless the help already
+    says what it is ("default: ...", "absent: ...") or there is none (None: the flag is simply not
+    given)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or any(w in (action.help or "").lower()
+                                         for w in ("default", "absent")):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _kind(f: dataclasses.Field):
+    name = str(f.type).split(" ")[0].split("|")[0]
+    return {"int": int, "float": float, "bool": bool}.get(name, str)
+
+
+def config_parser(cls, description: str, prog: str | None = None) -> Parser:
+    """A parser with one `--dashed-flag` per field of the dataclass `cls`: its type, default,
+    choices and help (a `%` in a help is printed as written); bools are `--flag` / `--no-flag`. Plus
+    `--config FILE`."""
+    p = Parser(description=description, prog=prog,
+               usage="%(prog)s [-h] [--config FILE] [--flag VALUE ...]")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a run's config.json (or any JSON object of these fields) to start from; "
+                        "flags given beside it override its values")
+    groups = {None: p.add_argument_group("essential flags")}
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.metadata.get("group") is not None):
+        flag, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        name = meta.pop("group", None)
+        where = groups.setdefault(name,
+                                  groups[None] if name is None else p.add_argument_group(name))
+        helptext = meta["help"].replace("%", "%%")
+        choices = meta.get("choices")
+        choices = choices() if callable(choices) else choices
+        if _kind(f) is bool:
+            where.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=helptext)
+        else:
+            where.add_argument(flag, type=_kind(f), default=f.default, help=helptext,
+                               choices=choices)
+    return p
+
+
+def given_fields(cls, argv, description: str = "", prog: str | None = None) -> set[str]:
+    """The fields that the command line `argv` sets itself (not by default): parsed once more with
+    every default suppressed."""
+    quiet = config_parser(cls, description, prog)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv))) - {"config"}
+
+
+def read_config(p: argparse.ArgumentParser, path: str, flag: str) -> dict:
+    """A JSON object of config fields from `path`, or a one-line exit naming `flag`."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError) as e:
+        p.error(f"{flag}: {e}")
+    if not isinstance(saved, dict):
+        p.error(f"{flag}: expected a JSON object of config fields")
+    return saved
+
+
+def parse_config(cls, argv=None, description: str = "", prog: str | None = None, adapt=None):
+    """(parser, config) from the command line. `--config FILE` sets the defaults first, so any flag
+    given beside it wins; so does OUT/config.json when the config has `resume` and `out` and
+    --resume is given (a run continues with its own settings; the flags given beside --resume change
+    them). A file with fields this script does not know is refused, naming them; with `adapt` (a
+    function of the file's dict returning (fields, {field: why it is skipped})) those fields are
+    skipped with a one-line note. `parser.given` holds the fields the command line set itself."""
+    p = config_parser(cls, description, prog)
+    args = p.parse_args(argv)
+    check_install()  # vision/audio builds that would break transformers: one line, before any write
+    p.given = given_fields(cls, argv, description, prog)
+    path, flag = args.config, f"--config {args.config}"
+    if getattr(args, "resume", False) and getattr(args, "out", None):
+        if args.config:
+            p.error("--resume continues the run in --out with its own config.json: give changes as "
+                    "flags, not --config")
+        path, flag = (os.path.join(args.out, "config.json"),
+                      f"--resume: {os.path.join(args.out, 'config.json')}")
+        path = path if os.path.exists(path) else None
+    if path:
+        known = {f.name for f in dataclasses.fields(cls)}
+        saved = read_config(p, path, flag)
+        saved.pop("resume", None)  # whether to continue is the command line's to say
+        skipped = {}
+        if adapt is not None:
+            saved, skipped = adapt(saved)
+            skipped.update({k: "" for k in saved if k not in known})
+            saved = {k: v for k, v in saved.items() if k in known}
+        unknown = sorted(set(saved) - known)
+        if unknown:
+            p.error(f"{flag}: fields this script does not have: {', '.join(unknown)}")
+        if skipped:
+            names = ", ".join(k + (f" ({why})" if why else "")
+                              for k, why in sorted(skipped.items()))
+            print(f"{p.prog}: {flag}: fields {p.prog} does not use, skipped: {names}",
+                  file=sys.stderr)
+        p.set_defaults(**saved)
+        args = p.parse_args(argv)
+    values = vars(args)
+    values.pop("config")
+    return p, cls(**values)
+
+
+def check_positive(p: argparse.ArgumentParser, cfg, names) -> None:
+    for name in names:
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def check_ranges(p: argparse.ArgumentParser, cfg, ranges: dict[str, str]) -> None:
+    """Each named field inside its interval, written "(0, inf)", "[0, 1]"...; a None (not set)
+    passes."""
+    for name, interval in ranges.items():
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        if (lo < v if interval[0] == "(" else lo <= v) and \
+                (v < hi if interval[-1] == ")" else v <= hi):
+            continue  # (a NaN fails both)
+        if hi == float("inf"):
+            what = ("positive" if lo == 0 else f"greater than {lo:g}") if interval[0] == "(" else \
+                ("0 or more" if lo == 0 else f"at least {lo:g}")
+        else:
+            what = f"in {interval}"
+        p.error(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
+
+
+def check_device(p: argparse.ArgumentParser, name: str) -> None:
+    """--device names a device this torch has: cuda with a CPU-only build is one line, not a
+    traceback."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        p.error(f"--device {name}: {e}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            p.error(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; use "
+                    "--device cpu")
+        if device.index is not None and device.index >= count:
+            p.error(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                    f"cuda:{count - 1}")
+
+
+def check_env(p: argparse.ArgumentParser, cfg) -> None:
+    """--env names a whole registered game (agents.env_spec); a game this project does not serve
+    (WebArena) needs --env-addr, and a model: the built-in tiny model only knows the games served
+    here."""
+    from env_server.agents import env_spec
+
+    try:
+        spec = env_spec(cfg.env)
+    except ValueError as e:
+        p.error(f"--env: {e}")
+    if spec.server is None:
+        if cfg.env_addr is None:
+            p.error(f"--env {cfg.env} is served by another project: give its server's address with "
+                    "--env-addr")
+        if all(getattr(cfg, k, None) is None for k in ("model", "checkpoint", "endpoint")):
+            p.error(f"--env {cfg.env} needs --model: the built-in tiny model only knows the envs "
+                    "served here")
+    check_env_addr(p, cfg.env_addr, cfg.env)
+
+
+def check_env_addr(p: argparse.ArgumentParser, addr: str | None, env: str | None = None) -> None:
+    """--env-addr answers (any answer: AgentGym's servers reply to / in plain text), before anything
+    is written; a refused connection or a silent address is one line. A server that names its game
+    (this project's say {"env": ...} at /) must serve `env`; one that does not say is taken at its
+    word."""
+    if not addr:
+        return
+    from env_client import EnvError, Transport
+
+    try:
+        health = Transport(addr, timeout=10.0, retries=0).request("GET", "/")
+    except ValueError as e:
+        p.error(f"--env-addr: {e}")
+    except EnvError as e:
+        if e.kind in ("connection", "timeout"):
+            p.error(f"--env-addr {addr}: no env server answers there ({e.message})")
+        return
+    served = health.get("env") if isinstance(health, dict) else None
+    if env and isinstance(served, str) and served != env:
+        p.error(f"--env-addr {addr} serves {served}, not {env} (--env): point it at a {env} server")
+
+
+def check_reporter(p: argparse.ArgumentParser, kind: str) -> None:
+    """--report-to names a tracker whose package is installed (report.py), before anything is
+    written."""
+    from trainer.report import missing
+
+    problem = missing(kind)
+    if problem:
+        p.error(problem)
+
+
+def check_model(p: argparse.ArgumentParser, model: str | None) -> None:
+    from models.names import check_model as why_not
+
+    problem = why_not(model)
+    if problem:
+        p.error(problem)
+
+
+def cpu_threads(threads: int = 0, leave_one: bool = True) -> int:
+    """torch's CPU threads per process: `threads` when given, else all cores (less one when
+    `leave_one`: an env server on this machine needs it), shared by the processes of this node
+    (torchrun's LOCAL_WORLD_SIZE).
+
+    Cores shared with other work: OpenMP's threads wait for each other by spinning, and a thread
+    whose core another process holds makes the others spin for a whole time slice, at every small
+    operation (a tiny model's update ran 6x slower than on one thread). The scripts therefore set
+    OMP_WAIT_POLICY=PASSIVE before torch loads (a waiting thread sleeps; measured with 5 busy
+    processes on 2 cores: small products 90x faster than spinning, large ones no slower); an
+    OMP_WAIT_POLICY of your own is kept. --threads 1 avoids the waiting altogether."""
+    if threads:
+        return threads
+    cores = (os.cpu_count() or 2) - (1 if leave_one else 0)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "train",
+               given: bool = True) -> dict:
+    """env_client.task_splits, or a one-line exit: no server at the address, a bad --tasks-file, or
+    (for training) task ids in both the training and the test split."""
+    from env_client import EnvError
+    from trainer.tasks import task_splits
+
+    try:
+        tasks = task_splits(url, env, tasks_file, list_split=list_split)
+    except ValueError as e:
+        sys.exit(str(e))
+    except EnvError as e:
+        where = f"--env-addr {url}" if given else f"the local {env} server at {url}"
+        sys.exit(f"{where}: no env server answers there ({e.message})")
+    shared = sorted(set(tasks["splits"].get("train", [])) & set(tasks["splits"].get("test", [])))
+    # held-out numbers would measure memory, not generalisation
+    if list_split == "train" and shared:
+        sys.exit(f"{'--tasks-file ' + tasks_file if tasks_file else url}: {len(shared)} task ids "
+                 f"are in both the training and the test split (first: {shared[:5]}); give "
+                 "disjoint splits (a bare list in --tasks-file is the training split, beside the "
+                 "server's test split)")
+    return tasks

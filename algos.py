@@ -98,14 +98,16 @@ def _finite(scores, name: str = "scores") -> torch.Tensor:
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
         rows = torch.nonzero(bad).flatten().tolist()[:5]
-        raise ValueError(f"{name} must be finite; rows {rows} hold {s[bad][:5].tolist()} (an env that returns "
-                         "NaN or infinity: env_client refuses such step answers as env errors)")
+        raise ValueError(f"{name} must be finite; rows {rows} hold {s[bad][:5].tolist()} (an env "
+                         "that returns NaN or infinity: env_client refuses such step answers as "
+                         "env errors)")
     return s
 
 
 def _group_index(group_ids: torch.Tensor):
     """Group ids (B,) -> (index in 0..n_groups-1 (B,), each row's group size (B,))."""
-    _, index, counts = torch.unique(torch.as_tensor(group_ids), return_inverse=True, return_counts=True)
+    _, index, counts = torch.unique(torch.as_tensor(group_ids), return_inverse=True,
+                                    return_counts=True)
     return index, counts[index].float()
 
 
@@ -188,8 +190,8 @@ def _reverse_discounted_cumsum(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _check_rewards_on_sampled(token_rewards: torch.Tensor, m: torch.Tensor) -> None:
     assert not torch.any((token_rewards != 0) & ~m), (
-        "a reward sits on an unsampled token (loss_mask 0); it would be lost. Put outcome rewards on "
-        "the last sampled token (token_rewards_from_outcome).")
+        "a reward sits on an unsampled token (loss_mask 0); it would be lost. Put outcome rewards "
+        "on the last sampled token (token_rewards_from_outcome).")
 
 
 def reinforce_pp_advantages(token_rewards, loss_mask, gamma: float = 1.0,
@@ -282,9 +284,10 @@ def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[li
         A^S_(b,k) = normalised G_(b,k) within its anchor group            `step_advantages`
         A_(b,t)   = A^E_b + w * A^S_(b, k(t))   on each sampled token t of turn k(t), 0 elsewhere,
     w = step_adv_weight, r_(b,j) row b's turn j's reward (departure 9; turn_rewards None: the
-    outcome on the last turn). No repeated state, or w = 0, gives GRPO. scores, group_ids (B,); loss_mask, turn_ids (B, T) (the turn of each sampled
-    token, else -1: rollout.build_batch, shifted as the mask); state_keys[b][k], turn_rewards[b][k]
-    per turn k of row b -> advantages (B, T) float32."""
+    outcome on the last turn). No repeated state, or w = 0, gives GRPO. scores, group_ids (B,);
+    loss_mask, turn_ids (B, T) (the turn of each sampled token, else -1: rollout.build_batch,
+    shifted as the mask); state_keys[b][k], turn_rewards[b][k] per turn k of row b -> advantages
+    (B, T) float32."""
     s = _finite(scores)  # first, as every estimator: a NaN score is the error to report
     if turn_ids is None or state_keys is None:
         raise ValueError("gigpo needs turn_ids (rollout.build_batch) and state_keys "
@@ -322,7 +325,8 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     # over the batch's sampled tokens; under torchrun the trainer passes one over all ranks
-    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, m: masked_whiten(x, m) * m
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+        lambda x, m: masked_whiten(x, m) * m)
     # GiGPO's step level (gigpo_advantages): turn_ids (B, T); per row, each turn's key and reward
     turn_ids: torch.Tensor | None = None
     state_keys: list[list[str]] | None = None
@@ -353,7 +357,8 @@ def register_estimator(name: str, critic: bool = False):
 
 def estimator(name: str) -> Estimator:
     if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(ESTIMATORS))}")
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: "
+                         f"{', '.join(sorted(ESTIMATORS))}")
     return ESTIMATORS[name]
 
 
@@ -374,7 +379,8 @@ def _rloo(x: AdvantageInputs):
 
 @register_estimator("reinforce_pp")
 def _reinforce_pp(x: AdvantageInputs):
-    return x.whiten(reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, whiten=False), x.mask), None
+    adv = reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, whiten=False)
+    return x.whiten(adv, x.mask), None
 
 
 @register_estimator("ppo", critic=True)  # GAE with the critic's values; returns its targets
@@ -503,7 +509,8 @@ def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
     old_logprobs: the trainer's before the update; sampler_logprobs: the rollout's. (B, T) -> (B, T)
     float32, unmasked."""
     assert cap > 0, f"the TIS cap must be positive, got {cap}"
-    log_ratio = (_f32(old_logprobs) - _f32(sampler_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = _f32(old_logprobs) - _f32(sampler_logprobs)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 

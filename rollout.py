@@ -37,7 +37,8 @@ class ChatFormat:
         self.tok = tokenizer
         anchor = self.encode(self._after_reply("x"))
         first = anchor[0] if anchor else None
-        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        special = (set(tokenizer.all_special_ids)
+                   | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}))
         # The first token after the reply if it is special (<|im_end|>, <|end|>); else the eos
         self.eot_id = first if first in special else tokenizer.eos_token_id
         self.stop_ids = sorted({i for i in (self.eot_id, tokenizer.eos_token_id) if i is not None})
@@ -51,7 +52,7 @@ class ChatFormat:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        """Sampled ids as the reply text the env and the logs see (special tokens kept as written)."""
+        """Sampled ids as the reply text the env and the logs see (special tokens as written)."""
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _after_reply(self, observation: str) -> str:
@@ -67,9 +68,9 @@ class ChatFormat:
         return self.encode(self._render(messages, gen=True))
 
     def reply_ids(self, reply: str) -> list[int]:
-        """Written text (an expert's) as the ids the policy would sample, then the end-of-turn token:
-        tokenised after the generation prompt, as in the full template (SentencePiece encodes a
-        string's first word differently)."""
+        """Written text (an expert's) as the ids the policy would sample, then the end-of-turn
+        token: tokenised after the generation prompt, as in the full template (SentencePiece
+        encodes a string's first word differently)."""
         head = self._render([{"role": "user", "content": "U"}], gen=True)
         h, full = self.encode(head), self.encode(head + reply)
         ids = full[len(h):] if full[:len(h)] == h else self.encode(reply)
@@ -85,8 +86,10 @@ class ChatFormat:
         return ids
 
     def _check_prefix_preserving(self) -> bool:
-        """Does rendering a longer conversation keep the shorter one as its prefix, reasoning included?"""
-        msgs = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nA1"}]
+        """Does rendering a longer conversation keep the shorter one as its prefix, reasoning
+        included?"""
+        msgs = [{"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "<think>\nr\n</think>\n\nA1"}]
         short = self._render(msgs, gen=False)
         eos = self.tok.eos_token or ""
         if eos and short.endswith(eos):  # Phi-3 ends a finished conversation with eos
@@ -174,7 +177,7 @@ class RolloutConfig:
 @dataclass
 class Reply:
     text: str
-    ids: list[int] | None = None  # ids to append with loss mask 1; None: a text-only policy (no rows)
+    ids: list[int] | None = None  # ids appended with loss mask 1; None: a text-only policy
     logprobs: list[float] | None = None  # the sampler's log-prob of each id (0 for written text)
     stopped: bool = True  # ended with the end-of-turn token (False: cut at max_new_tokens)
 
@@ -188,9 +191,11 @@ class EnginePolicy:
 
     def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply]:
         cfg = self.cfg
-        samples = self.engine.generate([t.token_ids for t in trajs], cfg.max_new_tokens, self.fmt.stop_ids,
-                                       cfg.temperature, cfg.top_p, self.generator, reuse=True)
-        return [Reply(self.fmt.decode(s.ids[:-1] if s.stopped else s.ids), s.ids, s.logprobs, s.stopped)
+        samples = self.engine.generate([t.token_ids for t in trajs], cfg.max_new_tokens,
+                                       self.fmt.stop_ids, cfg.temperature, cfg.top_p,
+                                       self.generator, reuse=True)
+        return [Reply(self.fmt.decode(s.ids[:-1] if s.stopped else s.ids), s.ids, s.logprobs,
+                      s.stopped)
                 for s in samples]
 
     def finish(self) -> None:
@@ -269,7 +274,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
             t.loss_mask, t.logprobs = [0] * t.n_prompt, [0.0] * t.n_prompt
     for turn in range(cfg.max_turns):
         for t in trajs:  # the next reply must fit: stop before generating, not in the middle
-            if fmt is not None and not t.finished and len(t.token_ids) + cfg.max_new_tokens > cfg.max_context:
+            if (fmt is not None and not t.finished
+                    and len(t.token_ids) + cfg.max_new_tokens > cfg.max_context):
                 t.status = "context_limit"
         active = [i for i, t in enumerate(trajs) if not t.finished]
         if not active:
@@ -322,7 +328,8 @@ def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:
     mismatched = sum(t.template == "mismatch" for t in trajs)
     if mismatched:
         why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
-               if not fmt.prefix_preserving else "decode/encode is not a round trip for this tokenizer")
+               if not fmt.prefix_preserving
+               else "decode/encode is not a round trip for this tokenizer")
         warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering "
                       f"of their messages: {why}. Rows keep the ids the policy saw, and those are "
                       "trained on.", stacklevel=3)
@@ -331,9 +338,9 @@ def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play,
                    desc: str = "play", leave: bool = True, timeout: float = 120.0,
                    played: list[Trajectory] = (), chunk_done=None) -> list[Trajectory]:
-    """Episodes (task items[e], group groups[e]) on at most `size` instances at once, chunk by chunk:
-    play(pool, items, groups, progress) -> trajectories, the last chunk padded with copies (dropped
-    after). `played`: whole chunks played before (a resumed evaluation), not played again;
+    """Episodes (task items[e], group groups[e]) on at most `size` instances at once, chunk by
+    chunk: play(pool, items, groups, progress) -> trajectories, the last chunk padded with copies
+    (dropped after). `played`: whole chunks played before (a resumed evaluation), not played again;
     `chunk_done(c, trajectories)` after each chunk c. A progress bar counts ended episodes."""
     from tqdm import tqdm
 
@@ -343,7 +350,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
     trajs: list[Trajectory] = list(played)
     n_chunks = -(-len(items) // size)
     with EnvPool(url, size, timeout=timeout) as pool, \
-            tqdm(total=len(items), initial=len(trajs), desc=desc, leave=leave, unit="ep", dynamic_ncols=True) as bar:
+            tqdm(total=len(items), initial=len(trajs), desc=desc, leave=leave, unit="ep",
+                 dynamic_ncols=True) as bar:
         for c, s in enumerate(range(0, len(items), size)):
             if s < len(trajs):
                 continue
@@ -354,7 +362,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
                 bar.set_postfix_str(f"chunk {c + 1}/{n_chunks}, turn {turn}", refresh=False)
                 bar.refresh()
 
-            got = play(pool, its + [its[-1]] * (size - len(its)), gs + [gs[-1]] * (size - len(gs)), progress)
+            pad = size - len(its)  # len(gs) == len(its)
+            got = play(pool, its + [its[-1]] * pad, gs + [gs[-1]] * pad, progress)
             trajs += got[: len(its)]
             if chunk_done:
                 chunk_done(c, got[: len(its)])

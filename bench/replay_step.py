@@ -10,7 +10,11 @@ the run's own config.json. For each it prints:
 - the probe: mean NLL per token of expert trajectories on held-out tasks (--probe-tasks of the test
   split), before and after: a rise means the update pushed the policy away from good behaviour that the
   step's rows do not show;
-- clip_frac and grad_norm of the update.
+- clip_frac and grad_norm of the update, and its seconds (the passes before it included);
+- vs_own: KL(the run's own setting's result || this setting's result) per sampled token of the step
+  (k3 on the step's tokens): whether a setting changes the update's result, on the scale of
+  update_kl (0 for the run's own setting).
+The KL reference is always the run's initial policy, also when --weights starts from elsewhere.
 Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the sampler's
 at that step: replaying step 1 of a run from its initial weights is exact (ratio 1 at the start); a
 later step from the initial weights is an approximation (say which in what you report). A run with
@@ -30,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+import algos  # noqa: E402
 import train  # noqa: E402
 
 from trainer import run as run_layer
@@ -102,6 +107,8 @@ def main() -> None:
     tok = load_tokenizer(init)
     fmt, pad = ChatFormat(tok), pad_id(tok)
     master0 = load_model(init)
+    initial = resolve(base.model, base.env, base.cache_dir)  # the KL reference, as in the run
+    ref0 = master0 if initial == init else load_model(initial)
     trajs = load_log(log)
     if base.dynamic_sampling:  # the step trained on the groups whose scores differ, from every round
         keep = run_layer.informative_groups(trajs)
@@ -109,14 +116,15 @@ def main() -> None:
     probe = probe_rows(base, fmt, a.probe_tasks)
     print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, {sum(sum(t.loss_mask) for t in trajs)} sampled "
           f"tokens; probe: {len(probe)} expert trajectories on held-out tasks; weights {init}")
-    print(f"{'setting':42s} {'update_kl':>10s} {'probe NLL':>19s} {'clip_frac':>9s} {'grad_norm':>9s} {'s':>5s}")
-    results = []
+    print(f"{'setting':42s} {'update_kl':>10s} {'probe NLL':>19s} {'clip_frac':>9s} {'grad_norm':>9s} {'s':>5s} "
+          f"{'vs_own':>9s}")
+    results, own_lp = [], None
     for flags, cfg in zip(settings, cfgs):
         torch.manual_seed(cfg.seed)
         master = copy.deepcopy(master0).train()
         dtype = run_layer.compute_dtype(cfg, torch.device("cpu"), master)
         prec = Precision(master, dtype)
-        ref = Precision(copy.deepcopy(master0).eval(), dtype).model if cfg.kl_coef > 0 else None
+        ref = Precision(copy.deepcopy(ref0).eval(), dtype).model if cfg.kl_coef > 0 else None
         run = SimpleNamespace(cfg=cfg, model=master, prec=prec, ref=ref, critic=None, pad=pad,
                               device=torch.device("cpu"), lr_scale=1.0, engine_kind=cfg.engine,
                               optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
@@ -126,13 +134,21 @@ def main() -> None:
         t0 = time.time()
         rows = train.Rows(run, trajs)
         m = train.update(run, rows, *train.advantages(run, rows))
+        seconds = time.time() - t0
         after = probe_nll(prec.model, probe, pad, cfg.temperature)
+        mask = rows.batch["loss_mask"][:, 1:]
+        lp = rows.passes(lambda idx: token_logprobs(prec.model, train.rows_of(rows.batch, idx),
+                                                    cfg.temperature, mask=mask[idx])[0])
+        own_lp = lp if own_lp is None else own_lp
+        sel = mask > 0
+        vs_own = float(algos.kl_penalty(own_lp, lp, "k3", None)[sel].mean()) if sel.any() else 0.0
         name = " ".join(flags) or "(the run's own settings)"
         kl = m["update_kl"]
         print(f"{name[:42]:42s} {kl if kl is not None else float('nan'):10.2e} {before:8.4f} -> {after:8.4f} "
-              f"{m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {time.time() - t0:5.0f}", flush=True)
+              f"{m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {seconds:5.0f} {vs_own:9.2e}", flush=True)
         results.append({"setting": name, "lr": lr, "update_kl": kl, "probe_nll_before": before,
-                        "probe_nll_after": after, "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"]})
+                        "probe_nll_after": after, "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"],
+                        "seconds": seconds, "vs_own": vs_own})
     print(json.dumps(results))
 
 

@@ -3,48 +3,52 @@
 Follows AgentGym's agentenv-babyai, the BabyAI server AgentGym-RL trains on:
 - task id i -> level LEVELS[i % 40] (the original's 1-based `i % 40 + 1`), seed i // 40;
 - the agent reads its 7x7 egocentric view as text, character for character as the original writes it
-  (but for the departures below): "Your goal: <mission>", a newline, then the view. A view holding any
-  object or wall reads "In front of you in this room, you can see several objects: ", then each door,
-  key, ball or box, nearest first, as "There is a red ball 1 2 steps in front of you and 1 steps to your
-  left." (or "... right in front of you 3 steps away.") followed by TWO spaces; a view holding only
-  walls lists none, so its colon is followed directly by the next sentence. A view holding nothing at
-  all reads "You cannot see any objects within sight." with no space after it (the original's spacing).
-  Then, one space apart: "The room has walls around you.", "You are facing a wall 3 steps away." (the
-  nearest wall or box straight ahead, where one is in view) and "You are carrying a grey key." or "You
-  are not carrying anything."; then a newline and `Available actions: ["turn left", ...]`. E.g.
-  `In front of you in this room, you can see several objects: There is a grey ball 1 1 steps in front
-  of you and 1 steps to your left.  The room has walls around you. You are not carrying anything.`
-  A step's observation is the same view without the goal line (or the step's message: an error, the
-  action list), then the actions line;
-- actions are turn/move primitives plus "go to <obj> <n>", "pickup <obj> <n>", "go through <door> <n>",
-  "toggle and go through <door> <n>", "toggle", "drop" and "check available actions"; the high-level
-  ones run as a shortest path over (cell, direction) states, found by BFS;
+  (but for the departures below): "Your goal: <mission>", a newline, then the view. A view holding
+  any object or wall reads "In front of you in this room, you can see several objects: ", then each
+  door, key, ball or box, nearest first, as "There is a red ball 1 2 steps in front of you and 1
+  steps to your left." (or "... right in front of you 3 steps away.") followed by TWO spaces; a view
+  holding only walls lists none, so its colon is followed directly by the next sentence. A view
+  holding nothing at all reads "You cannot see any objects within sight." with no space after it
+  (the original's spacing). Then, one space apart: "The room has walls around you.", "You are facing
+  a wall 3 steps away." (the nearest wall or box straight ahead, where one is in view) and "You are
+  carrying a grey key." or "You are not carrying anything."; then a newline and `Available actions:
+  ["turn left", ...]`. E.g. `In front of you in this room, you can see several objects: There is a
+  grey ball 1 1 steps in front of you and 1 steps to your left.  The room has walls around you. You
+  are not carrying anything.` A step's observation is the same view without the goal line (or the
+  step's message: an error, the action list), then the actions line;
+- actions are turn/move primitives plus "go to <obj> <n>", "pickup <obj> <n>", "go through <door>
+  <n>", "toggle and go through <door> <n>", "toggle", "drop" and "check available actions"; the
+  high-level ones run as a shortest path over (cell, direction) states, found by BFS;
 - reward is minigrid's `1 - 0.9 * step_count / max_steps` on success, 0 otherwise.
 
 Deliberate departures from the original (its behaviour in brackets):
 - BabyAI-GoToObjS6-v1 stands for -v0, which minigrid >= 2.5 no longer registers.
-- The goal is minigrid's mission verbatim ["then"/"after you" were rewritten to "and", losing the order].
-- Paths run over every cell seen this episode [the current view only, with unseen cells taken as free].
-- "<obj> <n>" in an action is the n-th <obj> of the description [only reachable objects were counted].
+- The goal is minigrid's mission verbatim ["then"/"after you" were rewritten to "and", losing the
+  order].
+- Paths run over every cell seen this episode [the current view only, with unseen cells taken as
+  free].
+- "<obj> <n>" in an action is the n-th <obj> of the description [only reachable objects were
+  counted].
 - "move forward" is offered exactly when the front cell can be entered [also into balls and doors].
-- "toggle" is also offered facing a box (opens it, as in minigrid; KeyInBox needs it) or an open door
-  (closes it; a mission may ask to open a door that is already open) [closed or locked doors only].
+- "toggle" is also offered facing a box (opens it, as in minigrid; KeyInBox needs it) or an open
+  door (closes it; a mission may ask to open a door that is already open) [closed or locked doors
+  only].
 - "pick up" is accepted for "pickup", as AgentGym's prompt spells it [only "pickup"].
 - A plan stops at the low-level step that ends the episode [it kept stepping after success].
 - done = minigrid terminated or truncated [done stayed False when the reward was <= 0.5]; a failed
   episode says so [nothing was said].
 - The view is read off the grid: the first view of PutNextS7N4Carrying does not list the object the
-  agent starts out carrying at the cell it was taken from [minigrid's first observation is made before
-  the level hands the object over, so it was listed there too, and "go to" it was offered].
-- OpenDoorsOrderN4Debug's two-door missions check the second door from the action after the first door
-  opened [minigrid checks that toggle against the second part too, strictly, and fails it: these missions,
-  4 in 5 of the level's tasks, could not be won; minigrid's own bot won none (babyai_mends.py)].
+  agent starts out carrying at the cell it was taken from [minigrid's first observation is made
+  before the level hands the object over, so it was listed there too, and "go to" it was offered].
+- OpenDoorsOrderN4Debug's two-door missions check the second door from the action after the first
+  door opened [minigrid checks that toggle against the second part too, strictly, and fails it:
+  these missions, 4 in 5 of the level's tasks, could not be won; minigrid's own bot won none
+  (babyai_mends.py)].
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import re
@@ -54,10 +58,9 @@ from pathlib import Path
 import gymnasium as gym
 import minigrid  # noqa: F401  (registers the BabyAI-* environments with gymnasium)
 import numpy as np
-from minigrid.envs.babyai.core.verifier import AfterInstr, AndInstr, BeforeInstr, PutNextInstr
-from minigrid.utils.baby_ai_bot import DisappearedBoxError, DropSubgoal, GoNextToSubgoal, PickupSubgoal
 
-from .babyai_mends import Bot, mend_order
+from .babyai_expert import DIR_VEC, DROP, FORWARD, LEFT, PICKUP, RIGHT, TOGGLE, Expert
+from .babyai_mends import mend_order
 from .base import Env, StepResult, TaskError
 
 # The original's level list, in its order (its `all_levels[1..40]`).
@@ -67,27 +70,23 @@ LEVELS = (
     "BabyAI-GoToImpUnlock-v0", "BabyAI-GoToSeqS5R2-v0", "BabyAI-GoToRedBlueBall-v0",
     "BabyAI-GoToDoor-v0", "BabyAI-GoToObjDoor-v0", "BabyAI-Open-v0", "BabyAI-OpenRedDoor-v0",
     "BabyAI-OpenDoorLoc-v0", "BabyAI-OpenRedBlueDoorsDebug-v0", "BabyAI-OpenDoorsOrderN4Debug-v0",
-    "BabyAI-Pickup-v0", "BabyAI-UnblockPickup-v0", "BabyAI-PickupLoc-v0", "BabyAI-PickupDistDebug-v0",
-    "BabyAI-PickupAbove-v0", "BabyAI-PutNextLocalS6N4-v0", "BabyAI-PutNextS7N4Carrying-v0",
-    "BabyAI-Unlock-v0", "BabyAI-UnlockLocalDist-v0", "BabyAI-KeyInBox-v0", "BabyAI-UnlockPickupDist-v0",
-    "BabyAI-BlockedUnlockPickup-v0", "BabyAI-UnlockToUnlock-v0", "BabyAI-ActionObjDoor-v0",
-    "BabyAI-FindObjS7-v0", "BabyAI-KeyCorridorS6R3-v0", "BabyAI-OneRoomS20-v0",
-    "BabyAI-MoveTwoAcrossS8N9-v0", "BabyAI-SynthS5R2-v0", "BabyAI-SynthLoc-v0", "BabyAI-SynthSeq-v0",
+    "BabyAI-Pickup-v0", "BabyAI-UnblockPickup-v0", "BabyAI-PickupLoc-v0",
+    "BabyAI-PickupDistDebug-v0", "BabyAI-PickupAbove-v0", "BabyAI-PutNextLocalS6N4-v0",
+    "BabyAI-PutNextS7N4Carrying-v0", "BabyAI-Unlock-v0", "BabyAI-UnlockLocalDist-v0",
+    "BabyAI-KeyInBox-v0", "BabyAI-UnlockPickupDist-v0", "BabyAI-BlockedUnlockPickup-v0",
+    "BabyAI-UnlockToUnlock-v0", "BabyAI-ActionObjDoor-v0", "BabyAI-FindObjS7-v0",
+    "BabyAI-KeyCorridorS6R3-v0", "BabyAI-OneRoomS20-v0", "BabyAI-MoveTwoAcrossS8N9-v0",
+    "BabyAI-SynthS5R2-v0", "BabyAI-SynthLoc-v0", "BabyAI-SynthSeq-v0",
     "BabyAI-MiniBossLevel-v0", "BabyAI-BossLevel-v0", "BabyAI-BossLevelNoUnlock-v0",
 )
-SEEDS_PER_LEVEL = 1000  # the original takes any id; we bound the seeds so that ids are a finite range
+SEEDS_PER_LEVEL = 1000  # the original takes any id; bounded seeds make ids a finite range
 SPLITS_FILE = Path(__file__).parent / "data" / "babyai_splits.json"
 
-# minigrid's low-level actions, and its directions (0 = +x, 1 = +y, 2 = -x, 3 = -y; "right" is dir + 1).
-LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = range(7)
-MOVES = (LEFT, RIGHT, FORWARD)
-DIR_VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))
 DESCRIBED = ("door", "key", "ball", "box")  # what BabyAI levels contain, walls aside
 UNKNOWN_ACTION = "The action is not recognized. Please check valid actions."
 NO_CHANGE = "No change in state."
 SUCCESS_SUFFIX = "\n The task is completed."
 FAILURE_SUFFIX = "\n The task is not completed, and the episode is over."
-LOOKAHEAD = 64  # low-level steps the expert simulates its bot for: no text action walks further
 
 
 def level_and_seed(idx: int) -> tuple[str, int]:
@@ -109,7 +108,7 @@ def normalize(action: str) -> str:
     return re.sub(r"^pick up\b", "pickup", text)
 
 
-class BabyAIEnv(Env):
+class BabyAIEnv(Expert, Env):
     name = "babyai"
 
     # ---- world: the level list and the shipped splits ----
@@ -140,11 +139,11 @@ class BabyAIEnv(Env):
         with contextlib.redirect_stdout(io.StringIO()):  # minigrid prints every layout it rejects
             obs, _ = self._env.reset(seed=self.seed)
         mend_order(self._env.instrs)
-        self._seen = np.zeros((self._env.width, self._env.height), dtype=bool)  # cells seen this episode
-        self._skipped = np.zeros_like(self._seen)  # cells the expert's bot saw and the agent did not
+        self._seen = np.zeros((self._env.width, self._env.height), dtype=bool)  # cells seen so far
+        self._skipped = np.zeros_like(self._seen)  # cells the expert's bot saw, the agent did not
         self._carried = None  # the expert's bot, kept between calls (see expert_action)
         self._expert_memo = (None, None)  # (turn, answer) of the last expert call
-        self._unlocking = None  # the locked door the expert opens where the bot failed (see _unlock)
+        self._unlocking = None  # the locked door the expert opens where its bot failed (_unlock)
         self._turns, self._score = 0, 0.0
         self._done = self._success = False
         self._observe(obs)
@@ -152,7 +151,8 @@ class BabyAIEnv(Env):
 
     def _observe(self, obs) -> None:
         """Take minigrid's new view: mark the visible cells as seen, drop the cached analysis."""
-        self._image = obs["image"]  # (7, 7, 3): columns left -> right, rows far -> near; type 0 = unseen
+        # (7, 7, 3): columns left -> right, rows far -> near; type 0 = unseen
+        self._image = obs["image"]
         self._info = None
         self._seen[tuple(self._env.agent_pos)] = True
         for *_, (x, y) in self._visible_cells():
@@ -180,16 +180,18 @@ class BabyAIEnv(Env):
             "position": [int(v) for v in env.agent_pos], "direction": int(env.agent_dir),
             "carrying": obj_name(env.carrying) if env.carrying else None,
             "done": self._done, "success": self._success, "score": self._score,
-            "steps": self._turns, "env_steps": int(env.step_count), "max_env_steps": int(env.max_steps),
+            "steps": self._turns, "env_steps": int(env.step_count),
+            "max_env_steps": int(env.max_steps),
         }
 
     def _actions_line(self) -> str:
-        return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in self._analyse()["actions"]) + "]"
+        listed = ", ".join(f'"{a}"' for a in self._analyse()["actions"])
+        return "\nAvailable actions: [" + listed + "]"
 
     def _describe(self) -> str:
         """The view as the original words it (see the module docstring): each object's sentence is
-        followed by two spaces, the other sentences by one; a view with walls but no object opens the
-        object list and lists nothing; "...within sight." is followed by no space at all."""
+        followed by two spaces, the other sentences by one; a view with walls but no object opens
+        the object list and lists nothing; "...within sight." is followed by no space at all."""
         info = self._analyse()
         if info["objects"] or info["walls"]:
             text = "In front of you in this room, you can see several objects: "
@@ -210,40 +212,44 @@ class BabyAIEnv(Env):
                        else "You are not carrying anything.")
 
     def _visible_cells(self) -> list[tuple]:
-        """(distance, row, column, front, right, (x, y)) of each visible cell but the agent's, nearest first."""
+        """(distance, row, column, front, right, (x, y)) of each visible cell but the agent's,
+        nearest first."""
         env, view = self._env, self._image.shape[0]
         (fx, fy), (rx, ry) = DIR_VEC[env.agent_dir], DIR_VEC[(env.agent_dir + 1) % 4]
         cells = []
         for j in range(view):
             for i in range(view):
                 front, right = view - 1 - j, i - view // 2
-                x, y = env.agent_pos[0] + fx * front + rx * right, env.agent_pos[1] + fy * front + ry * right
+                x = env.agent_pos[0] + fx * front + rx * right
+                y = env.agent_pos[1] + fy * front + ry * right
                 inside = 0 <= x < env.width and 0 <= y < env.height
                 if self._image[i, j, 0] and (front, right) != (0, 0) and inside:
                     cells.append((front + abs(right), j, i, front, right, (int(x), int(y))))
-        return sorted(cells)  # ties in the original's scan order: far rows first, then left to right
+        return sorted(cells)  # ties in the original's scan order: far rows first, left to right
 
     def _analyse(self) -> dict:
-        """Objects in view (name, number, front, right, pos, obj), whether a wall is in view, the barrier
-        ahead, and each text action with its low-level plan; error messages for actions that exist but
-        cannot run. Cached."""
+        """Objects in view (name, number, front, right, pos, obj), whether a wall is in view, the
+        barrier ahead, and each text action with its low-level plan; error messages for actions that
+        exist but cannot run. Cached."""
         if self._info is None:
             objects, counts, barrier, walls = [], {}, None, False
             for _, _, _, front, right, pos in self._visible_cells():
                 obj = self._env.grid.get(*pos)
                 walls = walls or (obj is not None and obj.type == "wall")
-                if obj is not None and right == 0 and obj.type in ("wall", "box") and barrier is None:
+                if (obj is not None and right == 0 and obj.type in ("wall", "box")
+                        and barrier is None):
                     barrier = (obj.type, front)
                 if obj is not None and obj.type in DESCRIBED:
                     counts[obj_name(obj)] = counts.get(obj_name(obj), 0) + 1
                     objects.append((obj_name(obj), counts[obj_name(obj)], front, right, pos, obj))
             actions, errors = self._plans(objects)
-            self._info = {"objects": objects, "walls": walls, "barrier": barrier, "actions": actions,
-                          "errors": errors}
+            self._info = {"objects": objects, "walls": walls, "barrier": barrier,
+                          "actions": actions, "errors": errors}
         return self._info
 
     def _plans(self, objects) -> tuple[dict, dict]:
-        """Text actions -> low-level plans, in the original's order, and the errors of impossible ones."""
+        """Text actions -> low-level plans, in the original's order, and the errors of impossible
+        ones."""
         env, parents = self._env, self._bfs()
         held = env.carrying
         fx, fy = env.front_pos
@@ -257,16 +263,19 @@ class BabyAIEnv(Env):
             if obj.type in ("key", "ball", "box"):
                 path, label = self._path_facing(parents, pos), f"pickup {name} {n}"
                 if held:
-                    errors[label] = f"You cannot pickup {name} {n}, as you are already carrying something."
+                    errors[label] = (f"You cannot pickup {name} {n}, as you are already carrying "
+                                     "something.")
                 elif path is None:
-                    errors[label] = f"You cannot pickup {name} {n}, as there is no path leading to it."
+                    errors[label] = (f"You cannot pickup {name} {n}, as there is no path leading "
+                                     "to it.")
                 else:
                     actions[label] = path + [PICKUP]
         if held and front is None:
             actions["drop"] = [DROP]
         else:
-            errors["drop"] = ("You cannot drop the object, as " + ("there is already an object in front of you."
-                              if held else "you are not carrying anything."))
+            errors["drop"] = ("You cannot drop the object, as "
+                              + ("there is already an object in front of you." if held
+                                 else "you are not carrying anything."))
         if front is not None and (front.type == "box" or front.type == "door" and front.is_open):
             actions["toggle"] = [TOGGLE]  # open the box, close the door (closed doors come below)
         for name, n, _, _, pos, door in objects:
@@ -277,12 +286,14 @@ class BabyAIEnv(Env):
             if door.is_open:
                 path = self._path_onto(parents, pos)
                 if path is None:
-                    errors[through] = f"You cannot go through {name} {n}, as there is no path leading to it."
+                    errors[through] = (f"You cannot go through {name} {n}, as there is no path "
+                                       "leading to it.")
                 else:
                     actions[through] = path
                 continue
             state = name.split()[1]
-            errors[through] = f"You cannot go through {name} {n}, as it is {state}. You should toggle it first."
+            errors[through] = (f"You cannot go through {name} {n}, as it is {state}. You should "
+                               "toggle it first.")
             path = self._path_facing(parents, pos)
             if door.is_locked and (held is None or held.type != "key"):
                 errors[toggle_through] = f"{cannot} you are not carrying a key."
@@ -298,7 +309,8 @@ class BabyAIEnv(Env):
         for name, n, _, _, pos, _ in objects:
             path = self._path_facing(parents, pos)
             if path is None:
-                errors[f"go to {name} {n}"] = f"You cannot go to {name} {n}, as there is no path leading to it."
+                errors[f"go to {name} {n}"] = (f"You cannot go to {name} {n}, as there is no path "
+                                               "leading to it.")
             else:
                 actions[f"go to {name} {n}"] = path
         actions["check available actions"] = []
@@ -306,8 +318,8 @@ class BabyAIEnv(Env):
 
     # ---- path planning: BFS over (x, y, dir) states through the cells seen this episode ----
     def _bfs(self, known=None) -> dict:
-        """{state: (previous state, action)} for every state reachable from the agent's (None for it),
-        through `known` cells (default: those seen)."""
+        """{state: (previous state, action)} for every state reachable from the agent's (None for
+        it), through `known` cells (default: those seen)."""
         env, known = self._env, self._seen if known is None else known
         start = (int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))
         parents, queue = {start: None}, deque([start])
@@ -315,7 +327,8 @@ class BabyAIEnv(Env):
             x, y, d = state = queue.popleft()
             ahead = (x + DIR_VEC[d][0], y + DIR_VEC[d][1], d)
             # Forward first, so that of equally short paths the straighter one wins.
-            for nxt, action in ((ahead, FORWARD), ((x, y, (d - 1) % 4), LEFT), ((x, y, (d + 1) % 4), RIGHT)):
+            for nxt, action in ((ahead, FORWARD), ((x, y, (d - 1) % 4), LEFT),
+                                ((x, y, (d + 1) % 4), RIGHT)):
                 if nxt in parents:
                     continue
                 if action == FORWARD:
@@ -346,7 +359,8 @@ class BabyAIEnv(Env):
 
     def _path_facing(self, parents: dict, pos) -> list[int] | None:
         """Shortest plan that ends next to `pos`, facing it."""
-        return self._shortest(parents, [(pos[0] - dx, pos[1] - dy, d) for d, (dx, dy) in enumerate(DIR_VEC)])
+        return self._shortest(parents, [(pos[0] - dx, pos[1] - dy, d)
+                                        for d, (dx, dy) in enumerate(DIR_VEC)])
 
     def _path_onto(self, parents: dict, pos) -> list[int] | None:
         """Shortest plan that ends standing on `pos` (an open door)."""
@@ -385,211 +399,6 @@ class BabyAIEnv(Env):
                 self._done, self._success, self._score = True, reward > 0, float(reward)
                 return float(reward)
         return 0.0
-
-    # ---- expert: minigrid's BabyAI bot, translated into text actions ----
-    def expert_action(self) -> str | None:
-        """The expert's next text action from the current state (None: it has no plan).
-
-        The bot plays a copy of the current state up to just past its next interaction (pickup, drop,
-        toggle) or reached goal. We choose the text action that lands on the latest state of that
-        simulated trajectory, fewest low-level steps first, so "go to"/"pickup" plans replace runs of
-        primitives. When that action is taken, the bot, advanced to the same state, carries its plan
-        over to the next call; from any other state a fresh bot plans what is left of the instruction.
-        The expert is slightly privileged: cells its bot saw on the way count as seen for later bots.
-        """
-        self._require_task()
-        if self._done:
-            return None
-        if self._expert_memo[0] == self._turns:  # asked again in the same state
-            return self._expert_memo[1]
-        box = next((o for o in self._env.grid.grid if o is not None and o.type == "box"
-                    and o.contains is not None and o.contains.type == "key"), None)
-        if box is not None:  # KeyInBox: the bot cannot open boxes, so open it first
-            return self._open_box(box)
-        if self._unlocking is not None and self._env.grid.get(*self._unlocking).is_locked:
-            return self._unlock()  # the bot failed here before: finish opening the door first
-        # The carried bot, else a fresh one that counts the cells earlier bots saw, else one that does not:
-        # a bot can give up, think it is done, or circle (on what others saw), and the carried one can
-        # count a part of the instruction as done that minigrid, checking the order, does not.
-        for attempt in ("carried", "fresh", "honest"):
-            try:
-                started = self._expert_bot(attempt)
-                if started is None:
-                    continue
-                env, bot, low = started
-                states, actions, limit, success = self._simulate(*copy.deepcopy((env, bot)), low)
-            except (AssertionError, DisappearedBoxError):
-                continue
-            label, reached = self._match(states, actions, limit, success)
-            if label is not None:
-                break
-        else:
-            self._carried = None
-            return self._unlock()
-        self._carried = None
-        if not (success and reached == len(actions)):
-            try:
-                for action in actions[:reached]:  # the bot walks its own way to the state we will be in
-                    env.step(action)
-                    low = bot.replan(action)
-                self._carried = (env, bot, low)
-            except (AssertionError, DisappearedBoxError):
-                pass  # lost there: the next call starts a fresh bot
-            self._skipped |= bot.vis_mask
-        self._expert_memo = (self._turns, label)
-        return label
-
-    def _open_box(self, box) -> str | None:
-        if tuple(self._env.front_pos) == tuple(box.cur_pos):
-            return "toggle"
-        return self._towards(box.cur_pos, "go to", known=np.ones_like(self._seen))
-
-    def _unlock(self) -> str | None:
-        """For when the bot circles, as when it picks a locked door whose key it has not seen (it
-        does not try another): open a seen locked door whose key is seen, sticking to it until open."""
-        env, held = self._env, self._env.carrying
-        cells = [((i % env.width, i // env.width), o) for i, o in enumerate(env.grid.grid) if o is not None]
-        keys = {o.color: pos for pos, o in cells if o.type == "key" and self._seen[pos]}
-        doors = [(pos, o) for pos, o in cells if o.type == "door" and o.is_locked and self._seen[pos]]
-        doors.sort(key=lambda door: door[0] != self._unlocking)  # the door chosen before, if still locked
-        for pos, door in doors:
-            if held is not None and (held.type, held.color) == ("key", door.color):
-                self._unlocking = pos
-                return self._towards(pos, "toggle and go through")
-            if held is None and door.color in keys:
-                self._unlocking = pos
-                return self._towards(keys[door.color], "pickup")
-        self._unlocking = None
-        return None
-
-    def _towards(self, pos, verb: str, known=None) -> str | None:
-        """'<verb> <obj> <n>' for the object at `pos` when available, else the first primitive of a
-        path that ends facing it (through the `known` cells, default: seen)."""
-        info = self._analyse()
-        for name, n, _, _, at, _ in info["objects"]:
-            if tuple(at) == tuple(pos) and f"{verb} {name} {n}" in info["actions"]:
-                return f"{verb} {name} {n}"
-        path = self._path_facing(self._bfs(known), pos)
-        return {LEFT: "turn left", RIGHT: "turn right", FORWARD: "move forward"}[path[0]] if path else None
-
-    def _expert_bot(self, attempt: str):
-        """(copy of the level, its bot, the bot's next action) for an attempt of expert_action; None
-        for "carried" when no bot was carried to this state."""
-        env = copy.deepcopy(self._env)
-        if attempt == "carried":
-            if self._carried is None or not self._same_state(self._carried[0]):
-                return None
-            old_env, old_bot, low = self._carried
-            # Re-point the bot at the new copy, whose instructions know what the agent really did.
-            memo = {id(old_env): env, id(old_env.carrying): env.carrying}
-            memo.update((id(old), new) for old, new in zip(old_env.grid.grid, env.grid.grid))
-            pairs = [(old_env.instrs, env.instrs)]
-            while pairs:
-                old, new = pairs.pop()
-                memo[id(old)] = new
-                for attr in ("desc", "desc_move", "desc_fixed", "instr_a", "instr_b"):
-                    if hasattr(old, attr):
-                        pairs.append((getattr(old, attr), getattr(new, attr)))
-            return env, copy.deepcopy(old_bot, memo), low
-        bot = self._new_bot(env, self._seen if attempt == "honest" else self._seen | self._skipped)
-        return env, bot, bot.replan()
-
-    def _same_state(self, other) -> bool:
-        env = self._env
-        held = lambda e: e.carrying and (e.carrying.type, e.carrying.color)  # noqa: E731
-        return (tuple(other.agent_pos) == tuple(env.agent_pos) and other.agent_dir == env.agent_dir
-                and held(other) == held(env) and np.array_equal(other.grid.encode(), env.grid.encode()))
-
-    def _new_bot(self, env, known) -> Bot:
-        """A bot on `env` that knows the `known` cells and plans only the unfinished instructions."""
-        bot = Bot(env)
-        bot.vis_mask = known.copy()
-        bot.stack = []
-        held, keep = env.carrying, False
-
-        def push(instr):  # as BabyAIBot._process_instr, skipping the parts minigrid has verified
-            nonlocal keep
-            if isinstance(instr, (BeforeInstr, AfterInstr, AndInstr)):
-                parts = [(instr.instr_a, instr.a_done), (instr.instr_b, instr.b_done)]
-                if isinstance(instr, AfterInstr):
-                    parts.reverse()  # "a after you b": b comes first
-                for part, done in reversed(parts):  # a stack: the first part goes on top
-                    if done != "success":
-                        push(part)
-                return
-            bot._process_instr(instr)
-            if isinstance(instr, PutNextInstr) and any(o is held for o in instr.desc_move.obj_set):
-                del bot.stack[-2:]  # already holding the object to move: no "go to it, pick it up"
-                keep = True
-
-        push(env.instrs)
-        # Free the hands for a pickup to come, unless holding a key that still opens a locked door
-        # (a bot that had fetched it would keep it until the door is open, then drop it).
-        needed = held is not None and held.type == "key" and any(
-            o is not None and o.type == "door" and o.is_locked and o.color == held.color for o in env.grid.grid)
-        if held and not keep and not needed and any(isinstance(g, PickupSubgoal) for g in bot.stack):
-            bot.stack += [DropSubgoal(bot), GoNextToSubgoal(bot, bot._find_drop_pos())]
-        return bot
-
-    @staticmethod
-    def _simulate(env, bot, low):
-        """Let the bot play `env`, starting with its suggested action `low`.
-
-        Returns its states (x, y, dir), its actions, the index `limit` of the first state where it
-        interacts or reaches a non-exploratory goal (a shortcut past it could skip part of the
-        instruction), and whether it succeeded. states[j] is the state before actions[j].
-        """
-        def goals():
-            return {id(g) for g in bot.stack if isinstance(g, GoNextToSubgoal) and not g.is_exploratory()}
-
-        def state():
-            return int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir)
-
-        states, actions, success, limit = [], [], False, None
-        while len(actions) < LOOKAHEAD and low != DONE:
-            states.append(state())
-            actions.append(int(low))
-            if limit is None and low not in MOVES:
-                limit = len(actions) - 1
-            _, reward, terminated, truncated, _ = env.step(low)
-            if terminated or truncated:
-                success = reward > 0
-                break
-            if limit is not None and len(actions) >= limit + 2:
-                break  # enough to see whether a toggle is followed by a step through the door
-            before = goals()
-            try:
-                low = bot.replan(low)
-            except (AssertionError, DisappearedBoxError):
-                break  # the bot is lost from here on; the way here is still good
-            if limit is None and not before <= goals():
-                limit = len(actions)  # a goal was reached in the state after this action
-        states.append(state())
-        return states, actions, len(actions) if limit is None else limit, success
-
-    def _match(self, states, actions, limit, success) -> tuple[str | None, int]:
-        """The text action reaching the furthest state of the bot's trajectory, and that state's index."""
-        n, (x0, y0, d0) = len(actions), states[0]
-        best, best_key = None, (0, 0)
-        for label, plan in self._analyse()["actions"].items():
-            x, y, d, k = x0, y0, d0, 0
-            while k < len(plan) and plan[k] in MOVES:  # dead reckoning: plans only enter free cells
-                if plan[k] == FORWARD:
-                    x, y = x + DIR_VEC[d][0], y + DIR_VEC[d][1]
-                else:
-                    d = (d + (1 if plan[k] == RIGHT else -1)) % 4
-                k += 1
-            rest, end, reached = plan[k:], (x, y, d), 0
-            if plan and not rest:  # the first visit: a later one comes back from a detour
-                reached = next((j for j in range(1, limit + 1) if states[j] == end), 0)
-            elif rest and limit < n and states[limit] == end:
-                if actions[limit:limit + len(rest)] == rest:
-                    reached = limit + len(rest)
-                elif limit == n - 1 and success and rest[0] == actions[limit]:
-                    reached = n  # the interaction wins the episode; the rest of the plan never runs
-            if reached > 0 and (reached, -len(plan)) > best_key:
-                best, best_key = label, (reached, -len(plan))
-        return best, best_key[0]
 
     def close(self) -> None:
         self._env = self._carried = None

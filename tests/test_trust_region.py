@@ -196,14 +196,19 @@ def test_the_replay_script_prints_update_kl_per_setting(tmp_path):
     out = tmp_path / "run"
     r = run_train([*TINY, "--steps", "1", "--entropy-coef", "0.001", "--out", str(out)])  # every row computed
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "1", "--try", "lr=3e-2",
-                        "--try", "lr=3e-6,mini_batch_size=2", "--probe-tasks", "2", "--threads", "1"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "1",
+                        "--try", "lr=3e-2", "--try", "lr=3e-6,mini_batch_size=2", "--try", "lr=3e-4",
+                        "--probe-tasks", "2", "--threads", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert [x["setting"] for x in rows] == ["(the run's own settings)", "--lr 3e-2", "--lr 3e-6 --mini-batch-size 2"]
+    assert [x["setting"] for x in rows] == ["(the run's own settings)", "--lr 3e-2", "--lr 3e-6 --mini-batch-size 2",
+                                            "--lr 3e-4"]
     kl = [x["update_kl"] for x in rows]
     assert all(k is not None for k in kl) and kl[1] > kl[0] > kl[2]
+    # vs_own: how far each result lies from the run's own; the own lr again (3e-4) lands on it
+    vs = [x["vs_own"] for x in rows]
+    assert vs[0] == 0 and vs[1] > kl[0] and vs[2] > 0.1 * kl[0] and abs(vs[3]) < 1e-6 * kl[0]
     assert not os.path.exists(out / ".replay")
     # the first setting is the recorded step's own update: the same update_kl as the run logged
     assert kl[0] == pytest.approx(metrics(out)[0]["update_kl"], rel=1e-3)

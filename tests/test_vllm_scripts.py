@@ -74,7 +74,7 @@ def test_the_real_model_in_one_command_on_vllm_a_signal_and_resume(tmp_path, smo
     folder = warm_folder()
     shutil.rmtree(folder, ignore_errors=True)  # the base model's conversion is kept
     out = str(tmp_path / "run")
-    proc = start("train.py", [*TRAIN, "--steps", "3", "--out", out], str(tmp_path / "a.log"))
+    proc = start("train.py", [*TRAIN, "--steps", "2", "--out", out], str(tmp_path / "a.log"))
     wait_for_step(out, proc, timeout=600)
     proc.send_signal(signal.SIGTERM)  # in step 2: its rollout or update
     code, log = finish(proc, timeout=400)
@@ -86,11 +86,11 @@ def test_the_real_model_in_one_command_on_vllm_a_signal_and_resume(tmp_path, smo
     first = metrics(out)
     assert [m["step"] for m in first] in ([1], [1, 2])
 
-    code, log = finish(start("train.py", ["--resume", "--out", out, "--steps", "3"], str(tmp_path / "b.log")),
+    code, log = finish(start("train.py", ["--resume", "--out", out, "--steps", "2"], str(tmp_path / "b.log")),
                        timeout=600)
     assert code == 0 and "building" not in log, log[-3000:]
     got = metrics(out)
-    assert [m["step"] for m in got] == [1, 2, 3] and got[:len(first)] == first
+    assert [m["step"] for m in got] == [1, 2] and got[:len(first)] == first
     for m in got:  # vLLM sampled in bf16, the trainer recomputed: a small gap, and the weights reached vLLM
         assert 0 <= m["logprob_diff"] < 0.1 and m["time_sync_s"] > 0, m
 
@@ -101,7 +101,7 @@ def test_the_real_model_in_one_command_on_vllm_a_signal_and_resume(tmp_path, smo
     result = json.load(open(e))
     assert result["engine"] == "vllm" and result["policy"] == folder and result["n"] == 2
     code, log = finish(start("sft.py", ["--env", "textcraft", "--model", "smollm2-135m-sft", "--cache-dir", CACHE,
-                                        "--tasks", "0,1", "--epochs", "1", "--threads", "2", "--out",
+                                        "--tasks", "0", "--epochs", "1", "--threads", "2", "--out",
                                         str(tmp_path / "s")], str(tmp_path / "sft.log")), timeout=600)
     assert code == 0 and "building" not in log, log[-3000:]
     assert json.load(open(tmp_path / "s" / "sft_summary.json"))["model"] == folder

@@ -13,7 +13,8 @@ from minigrid.utils.baby_ai_bot import (DisappearedBoxError, DropSubgoal, GoNext
 
 from .babyai_mends import Bot
 
-# minigrid's low-level actions, and its directions (0 = +x, 1 = +y, 2 = -x, 3 = -y; "right" is dir + 1).
+# minigrid's low-level actions, and its directions (0 = +x, 1 = +y, 2 = -x, 3 = -y; "right" is
+# dir + 1).
 LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE, DONE = range(7)
 MOVES = (LEFT, RIGHT, FORWARD)
 DIR_VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))
@@ -21,16 +22,18 @@ LOOKAHEAD = 64  # low-level steps the expert simulates its bot for: no text acti
 
 
 class Expert:
-    # ---- expert: minigrid's BabyAI bot, translated into text actions ----
+    """BabyAIEnv's expert: minigrid's BabyAI bot, translated into text actions."""
+
     def expert_action(self) -> str | None:
         """The expert's next text action from the current state (None: it has no plan).
 
-        The bot plays a copy of the current state up to just past its next interaction (pickup, drop,
-        toggle) or reached goal. We choose the text action that lands on the latest state of that
-        simulated trajectory, fewest low-level steps first, so "go to"/"pickup" plans replace runs of
-        primitives. When that action is taken, the bot, advanced to the same state, carries its plan
-        over to the next call; from any other state a fresh bot plans what is left of the instruction.
-        The expert is slightly privileged: cells its bot saw on the way count as seen for later bots.
+        The bot plays a copy of the current state up to just past its next interaction (pickup,
+        drop, toggle) or reached goal. We choose the text action that lands on the latest state of
+        that simulated trajectory, fewest low-level steps first, so "go to"/"pickup" plans replace
+        runs of primitives. When that action is taken, the bot, advanced to the same state, carries
+        its plan over to the next call; from any other state a fresh bot plans what is left of the
+        instruction. The expert is slightly privileged: cells its bot saw on the way count as seen
+        for later bots.
         """
         self._require_task()
         if self._done:

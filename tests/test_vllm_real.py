@@ -115,14 +115,14 @@ def test_real_vllm_seeds_reproduce_and_long_batches_run(real):
     fmt, world = ChatFormat(tok), TextCraftEnv.load_world(None)
     prompts = [fmt.prompt_ids(opening_messages("textcraft", TextCraftEnv(world).reset(i))) for i in range(48)]
     assert sum(map(len, prompts)) > 8192
-    a, b, c = (engine.generate(prompts, 12, [tok.eos_token_id], generator=torch.Generator().manual_seed(s))
-               for s in (5, 5, 6))
+    a, b, c = (engine.generate(ps, 12, [tok.eos_token_id], generator=torch.Generator().manual_seed(s))
+               for ps, s in ((prompts, 5), (prompts, 5), (prompts[:8], 6)))
     assert [x.ids for x in a] == [x.ids for x in b]
     # The same tokens' log-probs, up to the last bits: where the CPU has no native bf16 (emulated),
     # batched reductions may round differently from one call to the next (seen: 1e-6).
     for x, y in zip(a, b):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
-    assert [x.ids for x in a] != [x.ids for x in c]
+    assert [x.ids for x in a[:8]] != [x.ids for x in c]  # another seed (on fewer prompts: time)
     assert len({tuple(x.ids) for x in a[:8]}) > 1, "each request has its own seed"
 
 

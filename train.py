@@ -107,12 +107,13 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     if run.ref is not None:  # the KL reference: the initial policy
         ref_lp = rows.passes(lambda idx: token_logprobs(run.ref, rows_of(batch, idx),
                                                         cfg.temperature, mask=mask[idx])[0])
-    # The PPO ratio's denominator: the sampler's own log-probs where the sampler is this very
-    # model in fp32 (the HF engine that runs, not --engine's name); else (vLLM, bf16, --tis-cap)
-    # the trainer's, recomputed: a cached decode and a whole-row forward round differently in
-    # bf16, which would start the ratio away from 1.
+    # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
+    # numbers, in fp32 (HF or vLLM: 3.4e-6 apart a token, bench/sampler_gap.py); else the
+    # trainer's, recomputed: in bf16 a cached decode and a whole-row forward round differently
+    # (0.04 a token), vLLM renormalises a top_p < 1 nucleus, and --tis-cap compares the two.
     old_lp = sampler_lp
-    if cfg.tis_cap is not None or run.engine_kind != "hf" or run.prec.dtype != torch.float32:
+    if (cfg.tis_cap is not None or run.prec.dtype != torch.float32
+            or (run.engine_kind != "hf" and cfg.top_p < 1)):
         old_lp = rows.passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx),
                                                         cfg.temperature, mask=mask[idx])[0],
                              skip=idle)

@@ -137,3 +137,30 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
     missing = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "nope.json")], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "nope.json not found" in missing.stderr
+
+
+def test_sampler_gap_reads_a_step_log(tmp_path):
+    """The HF engine in fp32 samples with the trainer's own module: its recorded log-probs are the
+    trainer's to float precision on every sampled token (a row or position off by one would not be);
+    bf16 rounds them apart."""
+    import json
+
+    import models.tiny as tiny_model
+    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words", layers=1,
+                            hidden=32)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", path, "--steps", "1",
+                          "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4", "--engine", "hf",
+                          "--threads", "1", "--eval-every", "0", "--schedule", "3", "--out", str(run)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    gap = {}
+    for dtype in ("fp32", "bf16"):
+        out = subprocess.run([sys.executable, "bench/sampler_gap.py", str(run / "rollouts" / "step_000001.jsonl"),
+                              "--env", "corridor", "--model", path, "--dtype", dtype, "--threads", "1"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        gap[dtype] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert gap["fp32"]["rows"] >= 8 and gap["fp32"]["tokens"] > 8  # every round of the step
+    assert gap["fp32"]["max_abs"] < 1e-4 and gap["fp32"]["outside_clip"] == 0
+    assert gap["bf16"]["mean_abs"] > 10 * gap["fp32"]["mean_abs"]

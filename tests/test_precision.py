@@ -77,6 +77,29 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
     assert any((a != b).any() for a, b in zip(skip_model.parameters(), base.parameters()))
 
 
+@pytest.mark.parametrize("kind,dtype,flags,recomputed", [
+    ("hf", torch.float32, [], False), ("vllm", torch.float32, [], False),  # the same numbers
+    ("hf", torch.float32, ["--top-p", "0.9"], False),  # HF records the untruncated log-prob
+    ("vllm", torch.float32, ["--top-p", "0.9"], True),  # vLLM's is the renormalised nucleus's
+    ("hf", torch.bfloat16, [], True), ("vllm", torch.bfloat16, [], True),  # bf16 rounds apart
+    ("hf", torch.float32, ["--tis-cap", "2"], True)])
+def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind, dtype, flags,
+                                                                            recomputed,
+                                                                            monkeypatch):
+    """The update's extra forward over the rows (the PPO ratio's denominator from the trainer)
+    runs where the sampler's log-probs are not the trainer's numbers: bf16, vLLM with top_p < 1,
+    --tis-cap; in fp32 vLLM's log-probs are the trainer's to 3.4e-6 a token (bench/sampler_gap.py)."""
+    base = tiny()
+    run = run_of(flags, copy.deepcopy(base), dtype=dtype)
+    run.engine_kind = kind
+    passes = []
+    real = train.Rows.passes
+    monkeypatch.setattr(train.Rows, "passes", lambda self, fn, skip=frozenset():
+                        passes.append(1) or real(self, fn, skip))
+    train_update(run, fixed_trajectories(base))
+    assert bool(passes) == recomputed
+
+
 def test_no_rows_are_skipped_when_a_loss_term_reads_them():
     """With a KL or entropy term, a row without advantage still has a gradient: nothing is skipped."""
     trajs = tied_groups(fixed_trajectories(tiny()))

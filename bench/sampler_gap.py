@@ -25,25 +25,9 @@ import torch  # noqa: E402
 from models.builtin import resolve  # noqa: E402
 from models.policy import (Precision, length_buckets, load_model, load_tokenizer, pad_id,  # noqa: E402
                            resolve_dtype, token_logprobs)
-from rollout import Trajectory, build_batch  # noqa: E402
+from recipes.sft import load_log  # noqa: E402
+from rollout import build_batch  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
-
-
-def read_rows(path: str, n: int) -> list[Trajectory]:
-    """Rows with sampled tokens from a JSONL trajectory log (lines without token ids are skipped: an
-    evaluation's settings line, env errors)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(Trajectory)}
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("token_ids") and any(row.get("loss_mask", [])) and row.get("logprobs"):
-                rows.append(Trajectory(**{k: v for k, v in row.items() if k in names}))
-            if len(rows) == n:
-                break
-    return rows
 
 
 def main() -> None:
@@ -62,7 +46,7 @@ def main() -> None:
     a = p.parse_args()
     if not os.path.isfile(a.log):
         raise SystemExit(f"sampler_gap.py: no trajectory log {a.log}")
-    rows = read_rows(a.log, a.rows)
+    rows = [t for t in load_log(a.log) if any(t.loss_mask)][:a.rows]
     if not rows:
         raise SystemExit(f"sampler_gap.py: {a.log} holds no row with sampled tokens")
     torch.set_num_threads(cpu_threads(a.threads, leave_one=False))

@@ -60,8 +60,9 @@ from models.warmstart import expert_trajectories, micro_rows, sft
 
 
 def load_log(path: str, successful_only: bool = False) -> list[Trajectory]:
-    """Trajectories from a trajectory log: one rollouts/step_*.jsonl file, or a folder of them (a
-    run folder works too: its rollouts/ is searched). Env errors are dropped (they hold no row)."""
+    """Trajectories from a trajectory log: one rollouts/step_*.jsonl file (or an evaluation's
+    rollouts, or its partial file, whose settings line is skipped), or a folder of them (a run
+    folder works too: its rollouts/ is searched). Env errors are dropped (they hold no row)."""
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "step_*.jsonl")) or
                        glob.glob(os.path.join(path, "rollouts", "step_*.jsonl")))
@@ -81,6 +82,8 @@ def load_log(path: str, successful_only: bool = False) -> list[Trajectory]:
                     continue
                 try:
                     row = json.loads(line)
+                    if isinstance(row, dict) and set(row) == {"settings"}:
+                        continue  # an evaluation's partial file opens with its settings
                     t = Trajectory(**{k: v for k, v in row.items() if k in names})
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"{name}:{n}: not a trajectory log row ({e})") from e

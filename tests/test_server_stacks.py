@@ -153,19 +153,18 @@ def test_http_server_http10():
     writes, the connection closed after each answer."""
     server, app = ThreadingWSGIServer(("127.0.0.1", 0), Quiet), corridor_wsgi()
     server.set_app(app)
-    try:
-        play(serve_thread(server))
-    finally:
-        server.shutdown()
-        server.server_close()
-        app.extensions["registry"].stop()
+    play_then_stop(server, app)
 
 
 def test_werkzeug_development_server():
     from werkzeug.serving import make_server
 
     app = corridor_wsgi()
-    server = make_server("127.0.0.1", 0, app, threaded=True)
+    play_then_stop(make_server("127.0.0.1", 0, app, threaded=True), app)
+
+
+def play_then_stop(server, app) -> None:
+    """The client's game against a WSGI `server` serving `app`, then both stopped."""
     try:
         play(serve_thread(server))
     finally:

@@ -164,3 +164,52 @@ def test_sampler_gap_reads_a_step_log(tmp_path):
     assert gap["fp32"]["rows"] >= 8 and gap["fp32"]["tokens"] > 8  # every round of the step
     assert gap["fp32"]["max_abs"] < 1e-4 and gap["fp32"]["outside_clip"] == 0
     assert gap["bf16"]["mean_abs"] > 10 * gap["fp32"]["mean_abs"]
+
+
+
+def test_anchor_groups_counts_a_hand_made_log(tmp_path):
+    """Two samples of one task: A is refused twice (the same text at turns 2 and 3), B succeeds on
+    turn 2. Anchor groups: the opening {A1, B1}, the refusal {A2, A3}, B's success alone. At gamma
+    0.5 the returns are A 0, 0, 0 and B 0.5, 1: only the opening's two turns differ."""
+    import json
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import anchor_groups
+    from recipes.sft import load_log
+
+    def traj(replies, reward, turn_rewards):
+        msgs = []
+        for obs, act in replies:
+            msgs += [{"role": "user", "content": obs}, {"role": "assistant", "content": act}]
+        return {"env": "textcraft", "item_id": 1, "group": 0, "messages": msgs,
+                "token_ids": [1, 2], "loss_mask": [0, 1], "logprobs": [0.0, -0.1],
+                "turns": len(replies), "status": "done", "reward": reward,
+                "turn_rewards": turn_rewards}
+
+    a = traj([("start", "craft x"), ("refused", "craft x"), ("refused", "get y")], 0.0,
+             [0.0, 0.0, 0.0])
+    b = traj([("start", "get y"), ("ok", "craft x")], 1.0, [0.0, 1.0])
+    (tmp_path / "rollouts").mkdir()
+    log = str(tmp_path / "rollouts" / "step_000001.jsonl")
+    with open(log, "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    s = anchor_groups.anchor_stats(load_log(log), False, 0.5)
+    assert (s["trajectories"], s["groups"], s["turns"]) == (2, 1, 5)
+    assert s["shared"] == pytest.approx(4 / 5) and s["later"] == pytest.approx(2 / 3)
+    assert s["size"] == 2.0
+    assert s["step_nonzero"] == pytest.approx(2 / 5) and s["episode_nonzero"] == 1.0
+    # the same two as different groups (another group id): no shared opening, no step signal; a
+    # group of one keeps its raw score as its episode advantage (algos' departure 4): B's 1
+    b["group"] = 1
+    with open(log, "w") as f:
+        f.write(json.dumps(a) + "\n" + json.dumps(b) + "\n")
+    cmd = [sys.executable, "bench/anchor_groups.py", str(tmp_path), "--gamma", "0.5"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (row["groups"], row["episode_nonzero"], row["step_nonzero"]) == (2, 0.5, 0.0)
+    assert row["shared"] == pytest.approx(2 / 5)  # A's refusal, twice
+    with pytest.raises(SystemExit, match="no such trajectory log"):
+        anchor_groups.log_files(str(tmp_path / "nope.jsonl"))

@@ -53,6 +53,30 @@ def pytest_sessionstart(session):
         reporter.write_line(line)
 
 
+# The tests that load SmolLM2 or start a real vLLM share one cache folder (one of them rebuilds the
+# warm start in it) and vLLM's memory: under pytest-xdist they all run on one worker, in order, and
+# first (the longest group; started last, it would leave the other worker idle at the end).
+REAL_MODEL_FILES = {"test_smollm2.py", "test_vllm_engine.py", "test_vllm_real.py", "test_vllm_scripts.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in REAL_MODEL_FILES:
+            item.add_marker(pytest.mark.xdist_group("real_model"))
+    items.sort(key=lambda item: item.path.name not in REAL_MODEL_FILES)  # stable: files keep order
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch takes its share of the cores (the workers together
+    use them all, not each)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // workers))
+
+
 def raw(url: str, method: str, path: str, body=None, headers=None):
     """One HTTP request with exactly these bytes; returns (status, decoded JSON or None)."""
     u = urlsplit(url)

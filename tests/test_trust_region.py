@@ -58,14 +58,14 @@ def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
     model = tmp_path / "some-model"
     model.mkdir()
     cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--batch-size", "8", "--group-size", "4"])
-    assert (cfg.lr, cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl) == (1e-6, 0.001, 3, 0.01)
+    assert (cfg.lr, cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl) == (1e-6, 0.0, 3, 0.01)
     assert cfg.mini_batch_size == 8 and cfg.dynamic_sampling is True
     cfg = train.parse_args(["--env", "corridor"])  # the tiny model: as before
     assert (cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl, cfg.mini_batch_size, cfg.dynamic_sampling) == \
         (0.0, 0, 0.0, None, False)
-    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--kl-coef", "0", "--no-dynamic-sampling",
+    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--kl-coef", "0.001", "--no-dynamic-sampling",
                             "--mini-batch-size", "32"])  # flags win
-    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size) == (0.0, False, 32)
+    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size) == (0.001, False, 32)
 
 
 def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(capsys):
@@ -212,3 +212,28 @@ def test_the_replay_script_prints_update_kl_per_setting(tmp_path):
     assert not os.path.exists(out / ".replay")
     # the first setting is the recorded step's own update: the same update_kl as the run logged
     assert kl[0] == pytest.approx(metrics(out)[0]["update_kl"], rel=1e-3)
+
+
+def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_path):
+    """--weights CHECKPOINT: step 2 replayed from step 1's checkpoint (weights, optimizer moments,
+    update RNG) is the run's own update, the update_kl it logged; from the same weights with a fresh
+    optimizer (an HF folder) it is not."""
+    import shutil
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--entropy-coef", "0.001", "--mini-batch-size", "4", "--out", str(out)]
+    r = run_train([*flags, "--steps", "1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(out / "checkpoint", tmp_path / "ck1")
+    r = run_train(["--resume", "--out", str(out), "--steps", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    logged = metrics(out)[1]["update_kl"]
+    got = {}
+    for weights in ("ck1", "ck1/model"):
+        r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "2", "--weights",
+                            str(tmp_path / weights), "--probe-tasks", "1", "--threads", "1"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[weights] = json.loads(r.stdout.strip().splitlines()[-1])[0]["update_kl"]
+    assert got["ck1"] == pytest.approx(logged, rel=1e-3)
+    assert got["ck1/model"] != pytest.approx(logged, rel=0.05)

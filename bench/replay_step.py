@@ -3,9 +3,9 @@
     python bench/replay_step.py RUN --step 1 --try lr=1e-5,kl_coef=0 --try lr=1e-6 --try lr=1e-6,mini_batch_size=8
 
 The trajectories of RUN/rollouts/step_N.jsonl go through train.update once per setting, each time from
-the same start: the run's initial policy, an HF folder (--weights FOLDER), or a checkpoint (--weights
-RUN/checkpoint or a copy of one: its model/, optimizer state, lr_scale and torch RNG, so that step N
-replayed from the checkpoint of step N-1 is the run's own update; its update_kl is the one logged).
+the same start: the run's initial policy, an HF folder (--weights FOLDER), or a checkpoint
+(--weights RUN/checkpoint or a copy of one: its model/, optimizer state, lr_scale and torch RNG, so
+that step N replayed from the checkpoint of step N-1 is the run's own update, its logged update_kl).
 A setting is a comma list of train.py fields (`lr`, `kl_coef`, `mini_batch_size`, `ppo_epochs`, ...) over
 the run's own config.json. For each it prints:
 - update_kl: KL(before || after) per sampled token of the step (the metric train.py logs each step);
@@ -20,8 +20,9 @@ The KL reference is always the run's initial policy, also when --weights starts 
 Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the sampler's
 at that step: replaying step 1 of a run from its initial weights, or step N from step N-1's
 checkpoint, is exact (ratio 1 at the start); a later step from other weights, or from an HF folder
-with a fresh optimizer (whose first steps are larger), is an approximation (say which you report). A run with
-dynamic sampling logged every round; the replay trains, as the run did, on the informative groups.
+with a fresh optimizer (whose first steps are larger), is an approximation (say which you report).
+A run with dynamic sampling logged every round; the replay trains, as the run did, on the
+informative groups.
 """
 
 import argparse
@@ -93,8 +94,8 @@ def main() -> None:
     p.add_argument("--step", type=int, default=1, help="the recorded step to replay")
     p.add_argument("--try", dest="settings", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a setting to replay (repeatable); the run's own settings are always replayed first")
-    p.add_argument("--weights", default=None, help="starting weights: an HF folder, or a checkpoint folder "
-                   "(model/, optim.pt, trainer_state.pt); default: the run's initial policy")
+    p.add_argument("--weights", default=None, help="starting weights: an HF folder, or a checkpoint "
+                   "folder (model/, optim.pt, trainer_state.pt); default: the run's initial policy")
     p.add_argument("--probe-tasks", type=int, default=4, help="held-out tasks whose expert trajectories are the probe")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
@@ -109,7 +110,8 @@ def main() -> None:
     torch.set_num_threads(cpu_threads(a.threads, leave_one=False))
     base = cfgs[0]
     ckpt = a.weights if a.weights and os.path.exists(os.path.join(a.weights, "optim.pt")) else None
-    init = os.path.join(ckpt, "model") if ckpt else a.weights or resolve(base.model, base.env, base.cache_dir)
+    init = (os.path.join(ckpt, "model") if ckpt
+            else a.weights or resolve(base.model, base.env, base.cache_dir))
     tok = load_tokenizer(init)
     fmt, pad = ChatFormat(tok), pad_id(tok)
     master0 = load_model(init)

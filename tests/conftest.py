@@ -56,7 +56,8 @@ def pytest_sessionstart(session):
 # The tests that load SmolLM2 or start a real vLLM share one cache folder (one of them rebuilds the
 # warm start in it) and vLLM's memory: under pytest-xdist they all run on one worker, in order, and
 # first (the longest group; started last, it would leave the other worker idle at the end).
-REAL_MODEL_FILES = {"test_smollm2.py", "test_vllm_engine.py", "test_vllm_real.py", "test_vllm_scripts.py"}
+REAL_MODEL_FILES = {"test_smollm2.py", "test_vllm_engine.py", "test_vllm_real.py",
+                    "test_vllm_scripts.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -230,9 +230,9 @@ def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_pat
     logged = metrics(out)[1]["update_kl"]
     got = {}
     for weights in ("ck1", "ck1/model"):
-        r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "2", "--weights",
-                            str(tmp_path / weights), "--probe-tasks", "1", "--threads", "1"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "2",
+                            "--weights", str(tmp_path / weights), "--probe-tasks", "1",
+                            "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         got[weights] = json.loads(r.stdout.strip().splitlines()[-1])[0]["update_kl"]
     assert got["ck1"] == pytest.approx(logged, rel=1e-3)

@@ -71,9 +71,9 @@ class Config(Shared):
     dual_clip: float | None = arg(None, "dual-clip constant (> 1) for negative advantages",
                                   group='algorithm')
     value_clip: float = arg(0.2, "critic value clip (PPO)", group='algorithm')
-    kl_coef: float | None = arg(None, "KL-to-reference loss coefficient (default 0: no reference "
-                                      "model; the paper's is 0.001 with k3, docs/real_model.md says "
-                                      "why not here)", group='algorithm')
+    kl_coef: float | None = arg(None, "KL-to-reference loss coefficient (default 0: no "
+                                      "reference model; the paper's is 0.001 with k3, "
+                                      "docs/real_model.md says why not here)", group='algorithm')
     kl_kind: str = arg("k3", "KL estimator", choices=["k1", "k2", "k3"], group='algorithm')
     entropy_coef: float = arg(0.0, "entropy bonus coefficient", group='algorithm')
     gamma: float = arg(1.0, "discount over sampled tokens (REINFORCE++, PPO)", group='algorithm')

@@ -25,6 +25,11 @@ from env_server.app import serve_in_thread  # noqa: E402
 from toy_env import CounterEnv  # noqa: E402
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (macOS has no affinity: all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def pytest_sessionstart(session):
     """The machine, on the first line of every run's output (with -q too): what makes a run here faster
     or slower than elsewhere (cores, native bf16, memory) and whether the real-vLLM tests will run."""
@@ -45,7 +50,7 @@ def pytest_sessionstart(session):
             vllm = importlib.metadata.version("vllm")
         except importlib.metadata.PackageNotFoundError:
             vllm = "not installed"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS has no affinity
+    cores = usable_cores()
     line = (f"machine: {model}, {cores} cores usable, native bf16: {cpu_has_bf16()}, "
             f"{mem:.0f} GiB; torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm}")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -74,8 +79,7 @@ def pytest_configure(config):
     if workers > 1:
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // workers))
+        torch.set_num_threads(max(1, usable_cores() // workers))
 
 
 def raw(url: str, method: str, path: str, body=None, headers=None):

@@ -124,7 +124,7 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # rows per rank
     n_minis = all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
-        perm = torch.randperm(B).tolist()
+        perm = torch.randperm(B, generator=run.update_gen).tolist()
         for s in range(n_minis):
             mini = perm[s * mbs:(s + 1) * mbs]  # may be empty on a rank with fewer trajectories
             (denominator,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])

@@ -4,8 +4,9 @@
 
 The trajectories of RUN/rollouts/step_N.jsonl go through train.update once per setting, each time from
 the same start: the run's initial policy, an HF folder (--weights FOLDER), or a checkpoint
-(--weights RUN/checkpoint or a copy of one: its model/, optimizer state, lr_scale and torch RNG, so
-that step N replayed from the checkpoint of step N-1 is the run's own update, its logged update_kl).
+(--weights RUN/checkpoint or a copy of one: its model/, optimizer state, lr_scale and the update's
+shuffle stream, so that step N replayed from the checkpoint of step N-1 is the run's own update, its
+logged update_kl).
 A setting is a comma list of train.py fields (`lr`, `kl_coef`, `mini_batch_size`, `ppo_epochs`, ...) over
 the run's own config.json. For each it prints:
 - update_kl: KL(before || after) per sampled token of the step (the metric train.py logs each step);
@@ -135,12 +136,20 @@ def main() -> None:
         ref = Precision(copy.deepcopy(ref0).eval(), dtype).model if cfg.kl_coef > 0 else None
         run = SimpleNamespace(cfg=cfg, model=master, prec=prec, ref=ref, critic=None, pad=pad,
                               device=torch.device("cpu"), lr_scale=1.0, engine_kind=cfg.engine,
+                              update_gen=torch.Generator().manual_seed(cfg.seed),
                               optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
                                                                   weight_decay=cfg.weight_decay)})
-        if ckpt:  # the run's optimizer moments, learning-rate scale and update RNG at that point
+        if ckpt:  # the run's optimizer moments, learning-rate scale and shuffle stream at that point
             st = checkpoints.load_checkpoint(ckpt, master, None, run.optims)
             run.lr_scale = st.get("lr_scale", 1.0)
-            torch.set_rng_state(st["rank_rngs"][0]["torch_rng"])
+            rng = st["rank_rngs"][0]
+            torch.set_rng_state(rng["torch_rng"])
+            if "update_gen" in rng:
+                run.update_gen.set_state(rng["update_gen"])
+            elif flags == settings[0]:
+                print("the checkpoint predates the update's own shuffle stream: with vLLM, whose "
+                      "sampler draws from torch's global RNG, this replay shuffles otherwise than "
+                      "the run (an approximation)")
         lr = run_layer.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()

@@ -138,7 +138,8 @@ def run_update(flags, model_dir, trajs, sharded: bool):
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
     run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
-                          device=torch.device("cpu"), engine_kind=cfg.engine)
+                          device=torch.device("cpu"), engine_kind=cfg.engine,
+                          update_gen=torch.Generator().manual_seed(cfg.seed))
     stats = train_update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

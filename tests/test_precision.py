@@ -29,7 +29,7 @@ def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32):
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
     return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None, critic=None,
                            optims={"policy": opt}, pad=0, device=torch.device("cpu"),
-                           engine_kind=cfg.engine)
+                           engine_kind=cfg.engine, update_gen=torch.Generator().manual_seed(cfg.seed))
 
 
 def tied_groups(trajs, groups=(0, 1)):

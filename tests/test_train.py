@@ -40,7 +40,8 @@ def run_train(args, cache_dir, check=True):
 def update_run(cfg, model, optims, pad, critic=None, ref=None):
     """What train.update reads of a run (trainer/run.py's Run), for calling it on a model directly."""
     return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=pad,
-                           device=torch.device("cpu"), engine_kind=cfg.engine)
+                           device=torch.device("cpu"), engine_kind=cfg.engine,
+                           update_gen=torch.Generator().manual_seed(cfg.seed))
 
 
 def metrics(out_dir):

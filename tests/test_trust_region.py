@@ -216,8 +216,9 @@ def test_the_replay_script_prints_update_kl_per_setting(tmp_path):
 
 def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_path):
     """--weights CHECKPOINT: step 2 replayed from step 1's checkpoint (weights, optimizer moments,
-    update RNG) is the run's own update, the update_kl it logged; from the same weights with a fresh
-    optimizer (an HF folder) it is not."""
+    the update's shuffle stream) is the run's own update, the update_kl it logged, also when the
+    rollout drew from torch's global RNG in between (as vLLM's CPU sampler does every decode step);
+    from the same weights with a fresh optimizer (an HF folder) it is not."""
     import shutil
 
     out = tmp_path / "run"
@@ -225,7 +226,19 @@ def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_pat
     r = run_train([*flags, "--steps", "1"])
     assert r.returncode == 0, r.stderr[-2000:]
     shutil.copytree(out / "checkpoint", tmp_path / "ck1")
-    r = run_train(["--resume", "--out", str(out), "--steps", "2"])
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import train\n"
+        "real = train.update\n"
+        "def update(*args):\n"
+        "    torch.rand(7)  # a draw from the global RNG between the checkpoint and the update\n"
+        "    return real(*args)\n"
+        "train.update = update\n"
+        "train.main(train.parse_args(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, str(driver), "--resume", "--out", str(out), "--steps", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     logged = metrics(out)[1]["update_kl"]
     got = {}

@@ -204,6 +204,7 @@ class Run:
     schedule: object
     data_rng: random.Random  # the same on every rank: all ranks draw the same tasks
     sample_gen: torch.Generator  # this rank's sampling stream
+    update_gen: torch.Generator  # the update's shuffle (vLLM's CPU sampler draws the global RNG)
     pool: EnvPool
     train_ids: list[int]
     test_ids: list[int]
@@ -349,7 +350,7 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
                                      stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every),
                                      cfg.schedule_kind),
               data_rng=random.Random(cfg.seed),
-              sample_gen=None,
+              sample_gen=None, update_gen=torch.Generator().manual_seed(cfg.seed + global_rank()),
               pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size,
                            timeout=cfg.env_timeout),
               train_ids=train_ids, test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
@@ -407,13 +408,14 @@ def resume(run: Run, ckpt: str) -> None:
     if len(rngs) == world and st["device_type"] == run.sample_gen.device.type:
         run.sample_gen.set_state(rngs[rank]["sample_gen"])
         torch.set_rng_state(rngs[rank]["torch_rng"])
+        run.update_gen.set_state(rngs[rank].get("update_gen", run.update_gen.get_state()))
     else:  # another number of ranks: same data order, new sampling streams
         if rank == 0:
             print(f"resuming {len(rngs)} {st['device_type']} rank(s) as {world} "
                   f"{run.sample_gen.device.type} rank(s): the tasks continue in order, sampling "
                   "from new seeds", flush=True)
-        run.sample_gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
-        torch.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
+        for gen in (run.sample_gen, run.update_gen, torch):
+            gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
     run.start = st["step"] + 1
     if rank == 0:
         truncate_logs(cfg.out, st["step"])
@@ -509,6 +511,7 @@ def snapshot(run: Run) -> dict:
     and this rank's random streams (data order, sampling, torch)."""
     return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(),
             "lr_scale": run.lr_scale, "rng": {"sample_gen": run.sample_gen.get_state(),
+                                              "update_gen": run.update_gen.get_state(),
                                               "torch_rng": torch.get_rng_state()}}
 
 

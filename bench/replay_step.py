@@ -143,13 +143,11 @@ def main() -> None:
             st = checkpoints.load_checkpoint(ckpt, master, None, run.optims)
             run.lr_scale = st.get("lr_scale", 1.0)
             rng = st["rank_rngs"][0]
-            torch.set_rng_state(rng["torch_rng"])
             if "update_gen" in rng:
                 run.update_gen.set_state(rng["update_gen"])
-            elif flags == settings[0]:
-                print("the checkpoint predates the update's own shuffle stream: with vLLM, whose "
-                      "sampler draws from torch's global RNG, this replay shuffles otherwise than "
-                      "the run (an approximation)")
+            elif not results:
+                print("the checkpoint predates the update's own shuffle stream: this replay "
+                      "shuffles otherwise than the run did (an approximation)")
         lr = run_layer.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()

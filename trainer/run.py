@@ -508,7 +508,7 @@ def evaluate(run: Run, step: int) -> None:
 
 def snapshot(run: Run) -> dict:
     """What a run resumed after the last update needs besides weights and optimizer: the schedule
-    and this rank's random streams (data order, sampling, torch)."""
+    and this rank's random streams (data order, sampling, the update's shuffle, torch)."""
     return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(),
             "lr_scale": run.lr_scale, "rng": {"sample_gen": run.sample_gen.get_state(),
                                               "update_gen": run.update_gen.get_state(),

@@ -59,13 +59,13 @@ def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
     model.mkdir()
     cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--batch-size", "8", "--group-size", "4"])
     assert (cfg.lr, cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl) == (1e-6, 0.0, 3, 0.01)
-    assert cfg.mini_batch_size == 8 and cfg.dynamic_sampling is True
+    assert cfg.mini_batch_size == 8 and cfg.dynamic_sampling is True and cfg.micro_batch_tokens == 4096
     cfg = train.parse_args(["--env", "corridor"])  # the tiny model: as before
-    assert (cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl, cfg.mini_batch_size, cfg.dynamic_sampling) == \
-        (0.0, 0, 0.0, None, False)
+    assert (cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl, cfg.mini_batch_size, cfg.dynamic_sampling,
+            cfg.micro_batch_tokens) == (0.0, 0, 0.0, None, False, 16384)
     cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--kl-coef", "0.001", "--no-dynamic-sampling",
-                            "--mini-batch-size", "32"])  # flags win
-    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size) == (0.001, False, 32)
+                            "--mini-batch-size", "32", "--micro-batch-tokens", "8192"])  # flags win
+    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size, cfg.micro_batch_tokens) == (0.001, False, 32, 8192)
 
 
 def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(capsys):

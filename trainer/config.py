@@ -25,7 +25,7 @@ TRAIN_DOC = "train.py: multi-turn RL for LLM agents (python train.py -h)"
 REAL_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "real-model.json")
 TINY_MODEL = {"lr": 3e-4, "kl_coef": 0.0, "warmup_steps": 0, "max_update_kl": 0.0,
-              "dynamic_sampling": False}
+              "dynamic_sampling": False, "micro_batch_tokens": 16384}
 
 
 @dataclass
@@ -64,8 +64,9 @@ class Config(Shared):
     warmup_steps: int | None = arg(None, "steps over which the learning rate rises linearly to "
                                          "--lr (default: 3 with --model, 0 for the tiny model)",
                                    group='algorithm')
-    micro_batch_tokens: int = arg(16384, "padded tokens per forward/backward pass",
-                                  group='algorithm')
+    micro_batch_tokens: int | None = arg(None, "padded tokens per forward/backward pass (default: "
+                                               "16384 for the tiny model, 4096 with --model)",
+                                         group='algorithm')
     clip_low: float = arg(0.2, "PPO ratio clip below 1", group='algorithm')
     clip_high: float = arg(0.2, "PPO ratio clip above 1", group='algorithm')
     dual_clip: float | None = arg(None, "dual-clip constant (> 1) for negative advantages",

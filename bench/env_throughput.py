@@ -1,13 +1,14 @@
-"""Env server throughput: steps/s and latency through single-step and batch calls, next to the game's
-in-process step rate, so the HTTP overhead is visible.
+"""Env server throughput: steps/s and latency through single-step and batch calls, next to the
+game's in-process step rate, so the HTTP overhead is visible.
 
     python bench/env_throughput.py --env textcraft --sizes 32,64 --seconds 5
 
-The server runs in its own process (as train.py runs it); the client steps all instances in lock-step
-rounds, as the rollout does: one round = one action for every instance. Targets on a 2-core machine
-(TextCraft): single-step with keep-alive >= 2,000 steps/s at 32 instances; batch >= 15,000 steps/s at 64.
-Since every call into a game runs on a worker thread under a deadline (env_server.instances.Runner), the
-single-step path misses its target: about 1,500 steps/s against 2,100 before (docs/results.md).
+The server runs in its own process (as train.py runs it); the client steps all instances in
+lock-step rounds, as the rollout does: one round = one action for every instance. Targets on a
+2-core machine (TextCraft): single-step with keep-alive >= 2,000 steps/s at 32 instances; batch >=
+15,000 steps/s at 64. Since every call into a game runs on a worker thread under a deadline
+(env_server.instances.Runner), the single-step path misses its target: about 1,500 steps/s against
+2,100 before (docs/results.md).
 """
 
 import argparse
@@ -76,7 +77,8 @@ def run(url: str, env_name: str, size: int, batch: bool, seconds: float) -> dict
             res = list(pool.executor.map(lambda i: timed_step(i, action), range(size)))
         steps += sum(not isinstance(r, EnvError) for r in res)
         errors += sum(isinstance(r, EnvError) for r in res)
-        finished = [ids[i] if (not isinstance(r, EnvError) and r.done) else None for i, r in enumerate(res)]
+        finished = [ids[i] if (not isinstance(r, EnvError) and r.done) else None
+                    for i, r in enumerate(res)]
         if any(x is not None for x in finished):
             pool.reset(finished)
     dt = time.perf_counter() - t0
@@ -86,7 +88,8 @@ def run(url: str, env_name: str, size: int, batch: bool, seconds: float) -> dict
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="textcraft", choices=sorted(BENCH_ACTIONS))
     p.add_argument("--sizes", default="32,64", help="comma-separated numbers of parallel instances")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring time per configuration")
@@ -95,14 +98,15 @@ def main() -> None:
 
     rate = in_process_rate(args.env, min(args.seconds, 3.0))
     print(f"{args.env}: in-process step rate {rate:,.0f} steps/s (one thread, no HTTP)")
-    print(f"{'mode':7s} {'instances':>9s} {'steps/s':>10s} {'p50 ms':>8s} {'p99 ms':>8s} {'errors':>7s}"
-          f" {'vs in-process':>14s}   (latency: per request for single, per round for batch)")
+    print(f"{'mode':7s} {'instances':>9s} {'steps/s':>10s} {'p50 ms':>8s} {'p99 ms':>8s}"
+          f" {'errors':>7s} {'vs in-process':>14s}   (latency: per request for single, per round "
+          f"for batch)")
     with ServerProcess(args.env) as server:
         for batch in (False, True):
             for size in sizes:
                 r = run(server.url, args.env, size, batch, args.seconds)
-                print(f"{r['mode']:7s} {size:9d} {r['steps_per_s']:10,.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}"
-                      f" {r['errors']:7d} {rate / r['steps_per_s']:13.1f}x")
+                print(f"{r['mode']:7s} {size:9d} {r['steps_per_s']:10,.0f} {r['p50_ms']:8.2f}"
+                      f" {r['p99_ms']:8.2f} {r['errors']:7d} {rate / r['steps_per_s']:13.1f}x")
 
 
 if __name__ == "__main__":

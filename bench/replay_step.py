@@ -1,28 +1,30 @@
-"""Replay one recorded step through the update under several settings: how far each moves the policy.
+r"""Replay one recorded step through the update under several settings: how far each moves the
+policy.
 
-    python bench/replay_step.py RUN --step 1 --try lr=1e-5,kl_coef=0 --try lr=1e-6 --try lr=1e-6,mini_batch_size=8
+    python bench/replay_step.py RUN --step 1 --try lr=1e-5,kl_coef=0 --try lr=1e-6 \
+        --try lr=1e-6,mini_batch_size=8
 
-The trajectories of RUN/rollouts/step_N.jsonl go through train.update once per setting, each time from
-the same start: the run's initial policy, an HF folder (--weights FOLDER), or a checkpoint
+The trajectories of RUN/rollouts/step_N.jsonl go through train.update once per setting, each time
+from the same start: the run's initial policy, an HF folder (--weights FOLDER), or a checkpoint
 (--weights RUN/checkpoint or a copy of one: its model/, optimizer state, lr_scale and the update's
 shuffle stream, so that step N replayed from the checkpoint of step N-1 is the run's own update, its
 logged update_kl).
-A setting is a comma list of train.py fields (`lr`, `kl_coef`, `mini_batch_size`, `ppo_epochs`, ...) over
-the run's own config.json. For each it prints:
+A setting is a comma list of train.py fields (`lr`, `kl_coef`, `mini_batch_size`, `ppo_epochs`, ...)
+over the run's own config.json. For each it prints:
 - update_kl: KL(before || after) per sampled token of the step (the metric train.py logs each step);
 - the probe: mean NLL per token of expert trajectories on held-out tasks (--probe-tasks of the test
-  split), before and after: a rise means the update pushed the policy away from good behaviour that the
-  step's rows do not show;
+  split), before and after: a rise means the update pushed the policy away from good behaviour that
+  the step's rows do not show;
 - clip_frac and grad_norm of the update, and its seconds (the passes before it included);
 - vs_own: KL(the run's own setting's result || this setting's result) per sampled token of the step
   (k3 on the step's tokens): whether a setting changes the update's result, on the scale of
   update_kl (0 for the run's own setting).
 The KL reference is always the run's initial policy, also when --weights starts from elsewhere.
-Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the sampler's
-at that step: replaying step 1 of a run from its initial weights, or step N from step N-1's
-checkpoint, is exact (ratio 1 at the start); a later step from other weights, or from an HF folder
-with a fresh optimizer (whose first steps are larger), is an approximation (say which you report).
-A run with dynamic sampling logged every round; the replay trains, as the run did, on the
+Settings are chosen in minutes this way, not in hours of RL. The recorded log-probs are the
+sampler's at that step: replaying step 1 of a run from its initial weights, or step N from step
+N-1's checkpoint, is exact (ratio 1 at the start); a later step from other weights, or from an HF
+folder with a fresh optimizer (whose first steps are larger), is an approximation (say which you
+report). A run with dynamic sampling logged every round; the replay trains, as the run did, on the
 informative groups.
 """
 
@@ -46,7 +48,8 @@ from trainer import checkpoints
 from trainer import run as run_layer
 from trainer.cli import cpu_threads  # noqa: E402
 from models.builtin import resolve  # noqa: E402
-from models.policy import Precision, load_model, load_tokenizer, pad_id, token_logprobs  # noqa: E402
+from models.policy import (Precision, load_model, load_tokenizer, pad_id,  # noqa: E402
+                           token_logprobs)
 from rollout import ChatFormat, build_batch  # noqa: E402
 from recipes.sft import load_log  # noqa: E402
 
@@ -63,7 +66,8 @@ def parse_setting(text: str) -> list[str]:
 
 
 def probe_rows(cfg, fmt, n: int):
-    """Expert trajectories on n held-out tasks (the env's test split), or [] when the env has no expert."""
+    """Expert trajectories on n held-out tasks (the env's test split), or [] when the env has no
+    expert."""
     from env_server import get_env_class
     from models.warmstart import expert_trajectories
 
@@ -90,14 +94,18 @@ def probe_nll(model, rows, pad: int, temperature: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run folder (config.json, rollouts/)")
     p.add_argument("--step", type=int, default=1, help="the recorded step to replay")
     p.add_argument("--try", dest="settings", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="a setting to replay (repeatable); the run's own settings are always replayed first")
-    p.add_argument("--weights", default=None, help="starting weights: an HF folder, or a checkpoint "
-                   "folder (model/, optim.pt, trainer_state.pt); default: the run's initial policy")
-    p.add_argument("--probe-tasks", type=int, default=4, help="held-out tasks whose expert trajectories are the probe")
+                   help="a setting to replay (repeatable); the run's own settings are always "
+                        "replayed first")
+    p.add_argument("--weights", default=None,
+                   help="starting weights: an HF folder, or a checkpoint folder (model/, optim.pt, "
+                        "trainer_state.pt); default: the run's initial policy")
+    p.add_argument("--probe-tasks", type=int, default=4,
+                   help="held-out tasks whose expert trajectories are the probe")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
     config = os.path.join(a.run, "config.json")
@@ -106,8 +114,10 @@ def main() -> None:
         if not os.path.exists(path):
             raise SystemExit(f"replay_step.py: {a.run} has no {what} ({path})")
     settings = [[]] + [parse_setting(s) for s in a.settings]
-    scratch = os.path.join(a.run, ".replay")  # parse_args wants an --out that holds no run; nothing is written
-    cfgs = [train.parse_args(["--config", config, "--out", scratch, "--eval-every", "0", *f]) for f in settings]
+    # parse_args wants an --out that holds no run; nothing is written
+    scratch = os.path.join(a.run, ".replay")
+    cfgs = [train.parse_args(["--config", config, "--out", scratch, "--eval-every", "0", *f])
+            for f in settings]
     torch.set_num_threads(cpu_threads(a.threads, leave_one=False))
     base = cfgs[0]
     ckpt = a.weights if a.weights and os.path.exists(os.path.join(a.weights, "optim.pt")) else None
@@ -119,14 +129,16 @@ def main() -> None:
     initial = resolve(base.model, base.env, base.cache_dir)  # the KL reference, as in the run
     ref0 = master0 if initial == init else load_model(initial)
     trajs = load_log(log)
-    if base.dynamic_sampling:  # the step trained on the groups whose scores differ, from every round
+    if base.dynamic_sampling:
+        # the step trained on the groups whose scores differ, from every round
         keep = run_layer.informative_groups(trajs)
         trajs = [t for t in trajs if t.group in keep]
     probe = probe_rows(base, fmt, a.probe_tasks)
-    print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, {sum(sum(t.loss_mask) for t in trajs)} sampled "
-          f"tokens; probe: {len(probe)} expert trajectories on held-out tasks; weights {init}")
-    print(f"{'setting':42s} {'update_kl':>10s} {'probe NLL':>19s} {'clip_frac':>9s} {'grad_norm':>9s} {'s':>5s} "
-          f"{'vs_own':>9s}")
+    print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, "
+          f"{sum(sum(t.loss_mask) for t in trajs)} sampled tokens; probe: {len(probe)} expert "
+          f"trajectories on held-out tasks; weights {init}")
+    print(f"{'setting':42s} {'update_kl':>10s} {'probe NLL':>19s} {'clip_frac':>9s} "
+          f"{'grad_norm':>9s} {'s':>5s} {'vs_own':>9s}")
     results, own_lp = [], None
     for flags, cfg in zip(settings, cfgs):
         torch.manual_seed(cfg.seed)
@@ -139,7 +151,8 @@ def main() -> None:
                               update_gen=torch.Generator().manual_seed(cfg.seed),
                               optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
                                                                   weight_decay=cfg.weight_decay)})
-        if ckpt:  # the run's optimizer moments, learning-rate scale and shuffle stream at that point
+        if ckpt:
+            # the run's optimizer moments, learning-rate scale and shuffle stream at that point
             st = checkpoints.load_checkpoint(ckpt, master, None, run.optims)
             run.lr_scale = st.get("lr_scale", 1.0)
             rng = st["rank_rngs"][0]
@@ -163,10 +176,12 @@ def main() -> None:
         vs_own = float(algos.kl_penalty(own_lp, lp, "k3", None)[sel].mean()) if sel.any() else 0.0
         name = " ".join(flags) or "(the run's own settings)"
         kl = m["update_kl"]
-        print(f"{name[:42]:42s} {kl if kl is not None else float('nan'):10.2e} {before:8.4f} -> {after:8.4f} "
-              f"{m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {seconds:5.0f} {vs_own:9.2e}", flush=True)
+        print(f"{name[:42]:42s} {kl if kl is not None else float('nan'):10.2e} {before:8.4f} -> "
+              f"{after:8.4f} {m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {seconds:5.0f} "
+              f"{vs_own:9.2e}", flush=True)
         results.append({"setting": name, "lr": lr, "update_kl": kl, "probe_nll_before": before,
-                        "probe_nll_after": after, "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"],
+                        "probe_nll_after": after, "clip_frac": m["clip_frac"],
+                        "grad_norm": m["grad_norm"],
                         "seconds": seconds, "vs_own": vs_own})
     print(json.dumps(results))
 

@@ -43,21 +43,26 @@ class TimedEngine(FastHFEngine):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="textcraft")
     p.add_argument("--trajectories", type=int, default=64)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--model", default=None, help="HF model folder (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="HF model folder (default: the built-in tiny model)")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
     cfg = train.parse_args(["--env", a.env, "--algo", "grpo", "--group-size", "4",
-                            "--batch-size", str(max(1, a.trajectories // 4)), "--max-new-tokens", str(a.max_new_tokens),
-                            "--micro-batch-tokens", str(a.micro_batch_tokens), "--threads", str(a.threads)]
+                            "--batch-size", str(max(1, a.trajectories // 4)),
+                            "--max-new-tokens", str(a.max_new_tokens),
+                            "--micro-batch-tokens", str(a.micro_batch_tokens),
+                            "--threads", str(a.threads)]
                            + (["--model", a.model] if a.model else []))
     torch.set_num_threads(cpu_threads(cfg.threads))
-    path = models.resolve(cfg.model, cfg.env, cfg.cache_dir) if cfg.model else models.tiny_model_path(cfg.env, cfg.cache_dir)
+    path = (models.resolve(cfg.model, cfg.env, cfg.cache_dir) if cfg.model
+            else models.tiny_model_path(cfg.env, cfg.cache_dir))
     tok, model = load_tokenizer(path), load_model(path)
     fmt = ChatFormat(tok)
     engine = TimedEngine(model, pad_id(tok))
@@ -67,7 +72,8 @@ def main() -> None:
         rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens)
         t0 = time.perf_counter()
         policy = EnginePolicy(engine, fmt, rcfg, torch.Generator().manual_seed(0))
-        trajs = rollout(policy, pool, a.env, [i // 4 for i in range(n)], [i // 4 for i in range(n)], rcfg, fmt=fmt)
+        trajs = rollout(policy, pool, a.env, [i // 4 for i in range(n)], [i // 4 for i in range(n)],
+                        rcfg, fmt=fmt)
         wall = time.perf_counter() - t0
         pool.close()
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
@@ -76,13 +82,14 @@ def main() -> None:
           f"rollout / generation = {wall / engine.seconds:.3f}  (target <= 1.2)")
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
-    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=None, critic=None, optims=optims,
-                          pad=pad_id(tok), device=torch.device("cpu"), engine_kind=cfg.engine)
+    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=None, critic=None,
+                          optims=optims, pad=pad_id(tok), device=torch.device("cpu"),
+                          engine_kind=cfg.engine)
     rows = train.Rows(run, trajs)  # what the update reads of a run
     m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1
-    print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} tokens/s, "
-          f"padding share {m['padding_share']:.1%}  (target < 15%)")
+    print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} "
+          f"tokens/s, padding share {m['padding_share']:.1%}  (target < 15%)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
-"""How far the sampler's log-probs lie from the trainer's on recorded rows: whether the update must
+r"""How far the sampler's log-probs lie from the trainer's on recorded rows: whether the update must
 recompute the PPO ratio's old log-probs (train.update recomputes them where the compute dtype is not
 fp32, or with --tis-cap).
 
-    python bench/sampler_gap.py RUN/rollouts/step_000001.jsonl --env textcraft --model smollm2-135m-sft
-    python bench/sampler_gap.py eval.json.partial.jsonl --env textcraft --model smollm2-135m-sft --rows 64
+    python bench/sampler_gap.py RUN/rollouts/step_000001.jsonl --env textcraft \
+        --model smollm2-135m-sft
+    python bench/sampler_gap.py eval.json.partial.jsonl --env textcraft --model smollm2-135m-sft \
+        --rows 64
 
 The first --rows rows of a trajectory log (a run's step log, an evaluation's rollouts or its partial
-file) are scored by the trainer's forward (models.policy.token_logprobs in --dtype, at --temperature,
-which must be the rows' own) and compared, token by token over the sampled tokens, with the log-probs
-the sampler recorded. It prints the mean and largest |difference|, and the share of tokens whose ratio
-exp(trainer - sampler) leaves [1 - clip, 1 + clip]: where taking the sampler's log-probs as the
-ratio's denominator would change what the first mini-batch clips.
+file) are scored by the trainer's forward (models.policy.token_logprobs in --dtype, at
+--temperature, which must be the rows' own) and compared, token by token over the sampled tokens,
+with the log-probs the sampler recorded. It prints the mean and largest |difference|, and the share
+of tokens whose ratio exp(trainer - sampler) leaves [1 - clip, 1 + clip]: where taking the sampler's
+log-probs as the ratio's denominator would change what the first mini-batch clips.
 """
 
 import argparse
@@ -23,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from models.builtin import resolve  # noqa: E402
-from models.policy import (Precision, length_buckets, load_model, load_tokenizer, pad_id,  # noqa: E402
-                           resolve_dtype, token_logprobs)
+from models.policy import (Precision, length_buckets, load_model, load_tokenizer,  # noqa: E402
+                           pad_id, resolve_dtype, token_logprobs)
 from recipes.sft import load_log  # noqa: E402
 from rollout import build_batch  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
@@ -65,9 +67,11 @@ def main() -> None:
     sel = mask > 0
     diff = (trainer - sampler)[sel].double()
     outside = ((diff.exp() - 1).abs() > a.clip).double().mean()
-    print(f"{len(rows)} rows, {int(sel.sum())} sampled tokens, trainer in {str(dtype)[6:]}, model {path}")
-    print(f"|trainer - sampler| per token: mean {diff.abs().mean():.2e}, max {diff.abs().max():.2e}; "
-          f"ratio outside [1 - {a.clip}, 1 + {a.clip}]: {100 * outside:.3f}% of tokens")
+    print(f"{len(rows)} rows, {int(sel.sum())} sampled tokens, trainer in {str(dtype)[6:]}, "
+          f"model {path}")
+    print(f"|trainer - sampler| per token: mean {diff.abs().mean():.2e}, "
+          f"max {diff.abs().max():.2e}; ratio outside [1 - {a.clip}, 1 + {a.clip}]: "
+          f"{100 * outside:.3f}% of tokens")
     print(json.dumps({"rows": len(rows), "tokens": int(sel.sum()), "dtype": str(dtype)[6:],
                       "mean_abs": float(diff.abs().mean()), "max_abs": float(diff.abs().max()),
                       "outside_clip": float(outside)}))

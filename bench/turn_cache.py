@@ -1,16 +1,17 @@
-"""Two engine options, each off and on, side by side on the same episodes.
+r"""Two engine options, each off and on, side by side on the same episodes.
 
     python bench/turn_cache.py --env textcraft --tasks 52 --turns 30 --model PATH
-    python bench/turn_cache.py --compare compaction --temperature 1 --max-new-tokens 128 --model PATH
+    python bench/turn_cache.py --compare compaction --temperature 1 --max-new-tokens 128 \
+        --model PATH
 
-`--compare cache` (default): the KV cache kept across turns. Plays `--tasks` held-out tasks twice with
-models/fast_hf.py's FastHFEngine, once encoding every prompt in full and once reusing the previous
-turn's keys and values (rollout()'s default). `--compare compaction`: decoding only the rows still generating once half of a
-batch has stopped (FastHFEngine's default) against decoding every row until the last one stops. Prints
-both wall times, their ratio, the prompt tokens encoded and the rows computed by decoding, and whether
-the two played the same episodes. Greedy decoding (the default) or one seed for both makes the
-episodes comparable: compaction keeps each row's sampling stream, so the two differ only where float
-rounding flips a near tie.
+`--compare cache` (default): the KV cache kept across turns. Plays `--tasks` held-out tasks twice
+with models/fast_hf.py's FastHFEngine, once encoding every prompt in full and once reusing the
+previous turn's keys and values (rollout()'s default). `--compare compaction`: decoding only the
+rows still generating once half of a batch has stopped (FastHFEngine's default) against decoding
+every row until the last one stops. Prints both wall times, their ratio, the prompt tokens encoded
+and the rows computed by decoding, and whether the two played the same episodes. Greedy decoding
+(the default) or one seed for both makes the episodes comparable: compaction keeps each row's
+sampling stream, so the two differ only where float rounding flips a near tie.
 """
 
 import argparse
@@ -34,17 +35,22 @@ from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E4
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="textcraft")
-    p.add_argument("--tasks", type=int, default=52, help="held-out tasks, spread over the test split")
+    p.add_argument("--tasks", type=int, default=52,
+                   help="held-out tasks, spread over the test split")
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--model", default=None, help="HF model folder (default: the env's warm-started tiny model)")
+    p.add_argument("--model", default=None,
+                   help="HF model folder (default: the env's warm-started tiny model)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--compare", choices=["cache", "compaction"], default="cache")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, the same seed for both")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; else sampled, the same seed for both")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
+    p.add_argument("--cache-dir",
+                   default=os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
     a = p.parse_args()
     torch.set_num_threads(cpu_threads(a.threads))
     path = a.model or models.default_model_path(a.env, a.cache_dir)
@@ -53,9 +59,12 @@ def main() -> None:
     fmt = ChatFormat(tok)
     cls = get_env_class(a.env)
     items = spread(cls.splits(cls.load_world(None))["test"], a.tasks)
-    rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    settings = {"cache": (("full prompt every turn", {"reuse_ok": False}), ("cache kept across turns", {})),
-                "compaction": (("every row to the end", {"compact": False}), ("rows still going", {}))}[a.compare]
+    rcfg = RolloutConfig(max_turns=a.turns, max_new_tokens=a.max_new_tokens,
+                         temperature=a.temperature)
+    settings = {"cache": (("full prompt every turn", {"reuse_ok": False}),
+                          ("cache kept across turns", {})),
+                "compaction": (("every row to the end", {"compact": False}),
+                               ("rows still going", {}))}[a.compare]
     runs = {}
     with ServerProcess(a.env) as server:
         for name, attrs in settings:
@@ -65,16 +74,17 @@ def main() -> None:
             gen = torch.Generator().manual_seed(0)
             with EnvPool(server.url, len(items)) as pool:
                 t0 = time.perf_counter()
-                trajs = rollout(EnginePolicy(engine, fmt, rcfg, gen), pool, a.env, items, list(range(len(items))),
-                                rcfg, fmt=fmt)
+                trajs = rollout(EnginePolicy(engine, fmt, rcfg, gen), pool, a.env, items,
+                                list(range(len(items))), rcfg, fmt=fmt)
                 runs[name] = (time.perf_counter() - t0, engine, trajs)
     how = "greedy" if a.temperature <= 0 else f"temperature {a.temperature:g}, seed 0"
-    print(f"{a.env}: {len(items)} tasks x up to {a.turns} turns, {how}, {a.max_new_tokens} new tokens, "
-          f"{next(model.parameters()).dtype}, {path}")
+    print(f"{a.env}: {len(items)} tasks x up to {a.turns} turns, {how}, {a.max_new_tokens} new "
+          f"tokens, {next(model.parameters()).dtype}, {path}")
     for name, (wall, engine, trajs) in runs.items():
         turns = sum(t.turns for t in trajs)
         print(f"  {name:24s} {wall:7.1f} s  prompt tokens encoded {engine.encoded_tokens:>9,}  "
-              f"reused {engine.reused_tokens:>9,}  decoded rows {engine.decoded_rows:>9,}  turns {turns}")
+              f"reused {engine.reused_tokens:>9,}  decoded rows {engine.decoded_rows:>9,}  "
+              f"turns {turns}")
     (w0, _, t0s), (w1, _, t1s) = runs.values()
     same = [a_.token_ids == b_.token_ids for a_, b_ in zip(t0s, t1s)]
     print(f"  speed-up {w0 / w1:.2f}x; identical episodes {sum(same)}/{len(same)} "

@@ -9,11 +9,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-# Hypothesis runs every installed package's "hypothesis" plugin when it is imported; trio (a selenium
-# dependency, for the viewer's browser test) registers one that can fail to import at the end of a
-# session and turn a green run red. No test here needs third-party plugins.
+# Hypothesis runs every installed package's "hypothesis" plugin when it is imported; trio (a
+# selenium dependency, for the viewer's browser test) registers one that can fail to import at the
+# end of a session and turn a green run red. No test here needs third-party plugins.
 os.environ.setdefault("HYPOTHESIS_NO_PLUGINS", "1")
-# Hypothesis caches (constants, unicode data) in .hypothesis/ of the working folder: keep them out of the repository.
+# Hypothesis caches (constants, unicode data) in .hypothesis/ of the working folder: keep them out
+# of the repository.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), "agentgym-rl-mini-hypothesis"))
 
@@ -31,16 +32,19 @@ def usable_cores() -> int:
 
 
 def pytest_sessionstart(session):
-    """The machine, on the first line of every run's output (with -q too): what makes a run here faster
-    or slower than elsewhere (cores, native bf16, memory) and whether the real-vLLM tests will run."""
+    """The machine, on the first line of every run's output (with -q too): what makes a run here
+    faster or slower than elsewhere (cores, native bf16, memory) and whether the real-vLLM tests
+    will run."""
     import importlib.metadata
 
     import torch
     from models.policy import cpu_has_bf16
 
     try:
-        model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-        mem = next((int(x.split()[1]) / 2**20 for x in open("/proc/meminfo") if x.startswith("MemTotal")), 0.0)
+        model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo")
+                      if x.startswith("model name")), "?")
+        mem = next((int(x.split()[1]) / 2**20 for x in open("/proc/meminfo")
+                    if x.startswith("MemTotal")), 0.0)
     except OSError:
         model, mem = "?", 0.0
     try:
@@ -52,7 +56,8 @@ def pytest_sessionstart(session):
             vllm = "not installed"
     cores = usable_cores()
     line = (f"machine: {model}, {cores} cores usable, native bf16: {cpu_has_bf16()}, "
-            f"{mem:.0f} GiB; torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm}")
+            f"{mem:.0f} GiB; torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"vllm {vllm}")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)
@@ -99,8 +104,8 @@ def raw(url: str, method: str, path: str, body=None, headers=None):
 
 
 def play_expert(env, task: int, budget: int) -> tuple[float, int]:
-    """Play task with the env's expert (an Env in-process or an EnvClient over HTTP); return (the last
-    step's value, turns), or (0, budget) when the episode did not end."""
+    """Play task with the env's expert (an Env in-process or an EnvClient over HTTP); return (the
+    last step's value, turns), or (0, budget) when the episode did not end."""
     env.reset(task)
     for turn in range(1, budget + 1):
         step = env.step(env.expert_action())

@@ -5,10 +5,10 @@ known of the requests AgentGym's client sends and what it reads back (not from i
 - BabyAI, SciWorld: `/create` is a POST with no body and no Content-Type; `id` from the object.
 - SciWorld: its first observation is `/reset`'s `task_description`, a newline, then its
   `observation` (a KeyError where either is missing); later ones are the steps' `observation`s.
-- SearchQA: `/create` sends {"id": 0} and reads a bare integer back, kept as `env_idx`; `/reset` sends
-  {"env_idx": ..., "id": <task index>} and reads the bare observation; `/observation?env_idx=` reads a bare
-  string; `/step` sends {"env_idx", "action"} and reads {"observation", "reward", "done", "info"}; `/close`
-  sends {"env_idx"}.
+- SearchQA: `/create` sends {"id": 0} and reads a bare integer back, kept as `env_idx`; `/reset`
+  sends {"env_idx": ..., "id": <task index>} and reads the bare observation;
+  `/observation?env_idx=` reads a bare string; `/step` sends {"env_idx", "action"} and reads
+  {"observation", "reward", "done", "info"}; `/close` sends {"env_idx"}.
 
 Then create, reset, step, observation and close, against a real server of each game."""
 
@@ -26,7 +26,8 @@ from env_server.textcraft import TextCraftEnv
 
 
 def call(url: str, method: str, path: str, body=None, content_type: bool = True):
-    """One request as the client sends it: a JSON body, or (body None) no body and no Content-Type."""
+    """One request as the client sends it: a JSON body, or (body None) no body and no
+    Content-Type."""
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     headers = {"Content-Type": "application/json"} if body is not None and content_type else {}
@@ -39,7 +40,8 @@ def call(url: str, method: str, path: str, body=None, content_type: bool = True)
 
 
 class IdClient:
-    """TextCraft's (JSON create), BabyAI's and SciWorld's (body-less create) clients: `id` throughout."""
+    """TextCraft's (JSON create), BabyAI's and SciWorld's (body-less create) clients: `id`
+    throughout."""
 
     def __init__(self, url: str, json_create: bool):
         self.url = url
@@ -81,8 +83,8 @@ class SciWorldClient(IdClient):
 
 
 class SearchQAClient:
-    """AgentGym's SearchQA client: a bare id from `/create {"id": 0}`, kept as env_idx; each answer is
-    checked for the type that client reads."""
+    """AgentGym's SearchQA client: a bare id from `/create {"id": 0}`, kept as env_idx; each answer
+    is checked for the type that client reads."""
 
     def __init__(self, url: str):
         self.url = url
@@ -145,8 +147,10 @@ def test_babyai_client(threaded):
     play(IdClient(url, json_create=False), 0, "turn left")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("scienceworld") is None or shutil.which("java") is None,
-                    reason="ScienceWorld cannot run here (the scienceworld package or java is missing)")
+@pytest.mark.skipif(importlib.util.find_spec("scienceworld") is None
+                    or shutil.which("java") is None,
+                    reason="ScienceWorld cannot run here "
+                           "(the scienceworld package or java is missing)")
 def test_sciworld_client():
     with ServerProcess("sciworld", "--max-jvms", "2") as server:
         got = play(SciWorldClient(server.url), 0, "look around")
@@ -164,7 +168,8 @@ def test_searchqa_client(tmp_path):
         assert "Question" in got["first"] or "question" in got["first"]
         # a body-less create (older SearchQA clients) is answered a bare id too
         assert type(call(server.url, "POST", "/create")) is int
-        # the project's own dialect on the same server: objects from a create without `id` and a reset by `id`
+        # the project's own dialect on the same server: objects from a create without `id` and a
+        # reset by `id`
         created = call(server.url, "POST", "/create", {"request_key": "k"})
         assert isinstance(created, dict) and type(created["id"]) is int
         reset = call(server.url, "POST", "/reset", {"id": created["id"], "data_idx": 3})
@@ -174,7 +179,8 @@ def test_searchqa_client(tmp_path):
 def test_a_bodyless_post_still_needs_a_loopback_host_and_no_foreign_origin(threaded):
     url = threaded(BabyAIEnv)
     u = urlsplit(url)
-    for headers, status in (({"Origin": "http://evil.example"}, 403), ({"Host": "evil.example"}, 403),
+    for headers, status in (({"Origin": "http://evil.example"}, 403),
+                            ({"Host": "evil.example"}, 403),
                             ({"Content-Type": "text/plain"}, 200), ({}, 200)):
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
         conn.request("POST", "/create", None, headers)
@@ -182,7 +188,8 @@ def test_a_bodyless_post_still_needs_a_loopback_host_and_no_foreign_origin(threa
         resp.read()
         conn.close()
         assert resp.status == status, headers
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)  # a body that is not JSON: still 415
+    # a body that is not JSON: still 415
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     conn.request("POST", "/create", "{}", {"Content-Type": "text/plain"})
     resp = conn.getresponse()
     assert resp.status == 415 and "error" in json.loads(resp.read())

@@ -13,11 +13,11 @@ T_ = torch.tensor
 
 
 def close(a, b, tol=1e-5):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
-                          atol=tol, rtol=tol)
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32),
+                          torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=tol)
 
 
-# ---------------------------------------------------------------------------------- masked statistics
+# -------------------------------------------------------------------------------- masked statistics
 def test_masked_stats_by_hand():
     x, m = T_([1.0, 2.0, 3.0, 100.0]), T_([1, 1, 1, 0])
     assert close(algos.masked_mean(x, m), 2.0)  # (1+2+3)/3
@@ -30,7 +30,8 @@ def test_masked_stats_by_hand():
 
 def test_masked_stats_empty_and_single():
     x = T_([[1.0, 2.0], [3.0, 4.0]])
-    assert close(algos.masked_mean(x, T_([[1, 1], [0, 0]]), dim=1), [1.5, 0.0])  # empty row: 0, no NaN
+    # empty row: 0, no NaN
+    assert close(algos.masked_mean(x, T_([[1, 1], [0, 0]]), dim=1), [1.5, 0.0])
     assert close(algos.masked_mean(x, torch.zeros(2, 2)), 0.0)
     one = T_([[0, 1], [0, 0]])
     assert close(algos.masked_var(x, one), 0.0)
@@ -40,14 +41,16 @@ def test_masked_stats_empty_and_single():
 
 # --------------------------------------------------------------------------- GRPO / RLOO advantages
 def test_grpo_by_hand():
-    # group 0: [1,0,0,1] mean 0.5, unbiased std sqrt(4*0.25/3) = 0.57735 -> +-0.5/0.57735 = +-0.866025
+    # group 0: [1,0,0,1] mean 0.5, unbiased std sqrt(4*0.25/3) = 0.57735
+    # -> +-0.5/0.57735 = +-0.866025
     # group 7 (one member): mean 0, std 1 -> 5 / (1 + 1e-6); group 3 all equal -> 0
     scores = T_([1.0, 2.0, 0.0, 5.0, 0.0, 2.0, 1.0])
     groups = T_([0, 3, 0, 7, 0, 3, 0])
     a = algos.grpo_advantages(scores, groups)
     z = 0.5 / math.sqrt(1 / 3)
     assert close(a, [z, 0.0, -z, 5.0 / (1 + 1e-6), -z, 0.0, z], tol=1e-5)
-    assert close(algos.grpo_advantages(scores, groups, norm_std=False), [0.5, 0, -0.5, 5.0, -0.5, 0, 0.5])
+    assert close(algos.grpo_advantages(scores, groups, norm_std=False),
+                 [0.5, 0, -0.5, 5.0, -0.5, 0, 0.5])
     assert a.dtype == torch.float32
 
 
@@ -67,7 +70,8 @@ def test_rloo_by_hand():
     # parity with the literal leave-one-out definition on random groups
     s = torch.rand(12)
     g = torch.arange(12) // 3
-    naive = [s[i] - statistics.mean(float(s[j]) for j in range(12) if g[j] == g[i] and j != i) for i in range(12)]
+    naive = [s[i] - statistics.mean(float(s[j]) for j in range(12) if g[j] == g[i] and j != i)
+             for i in range(12)]
     assert close(algos.rloo_advantages(s, g), naive)
 
 
@@ -109,8 +113,9 @@ def naive_whiten(rows, masks):
 
 
 def random_batch(seed, B=7, T=13):
-    """Multi-turn masks with holes, the outcome reward on the last sampled token, some per-turn rewards
-    on other sampled tokens, one row with no sampled token, and values everywhere (obs ones are junk)."""
+    """Multi-turn masks with holes, the outcome reward on the last sampled token, some per-turn
+    rewards on other sampled tokens, one row with no sampled token, and values everywhere (obs ones
+    are junk)."""
     g = random.Random(seed)
     masks = [[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 0, 0], [0] * T]
     while len(masks) < B:
@@ -143,13 +148,14 @@ def test_gae_matches_naive_loop(gamma, lam, seed):
     adv, ret = algos.gae_advantages(r, v, m, gamma, lam)
     raw = [naive_gae(x, y, k, gamma, lam) for x, y, k in zip(rows_r, rows_v, rows_m)]
     assert close(adv, naive_whiten(raw, rows_m), tol=1e-4)
-    expected_ret = [[a + y if k else 0.0 for a, y, k in zip(*row)] for row in zip(raw, rows_v, rows_m)]
+    expected_ret = [[a + y if k else 0.0 for a, y, k in zip(*row)]
+                    for row in zip(raw, rows_v, rows_m)]
     assert close(ret, expected_ret, tol=1e-5)
 
 
 def test_reinforce_pp_by_hand():
-    # sampled at 1, 2, 4; reward 1 at 4; gamma 0.5 discounts per sampled token, the obs token 3 is skipped:
-    # returns 0.25, 0.5, 1.0 -> whitened over the three tokens
+    # sampled at 1, 2, 4; reward 1 at 4; gamma 0.5 discounts per sampled token, the obs token 3 is
+    # skipped: returns 0.25, 0.5, 1.0 -> whitened over the three tokens
     m = T_([[0, 1, 1, 0, 1]])
     r = algos.token_rewards_from_outcome(T_([1.0]), m)
     rets = [0.25, 0.5, 1.0]
@@ -160,9 +166,11 @@ def test_reinforce_pp_by_hand():
 
 def test_gae_by_hand():
     # sampled at 0 and 2; the obs token's value 9.0 must not be read. gamma 0.9, lam 0.5:
-    # t=2: delta = 1 + 0 - 0.8 = 0.2, A = 0.2;  t=0: delta = 0 + 0.9*0.8 - 0.5 = 0.22, A = 0.22 + 0.45*0.2 = 0.31
+    # t=2: delta = 1 + 0 - 0.8 = 0.2, A = 0.2;
+    # t=0: delta = 0 + 0.9*0.8 - 0.5 = 0.22, A = 0.22 + 0.45*0.2 = 0.31
     # returns 0.81, 0, 1.0; whitened A of two values: +-1/sqrt(2)
-    adv, ret = algos.gae_advantages(T_([[0.0, 0.0, 1.0]]), T_([[0.5, 9.0, 0.8]]), T_([[1, 0, 1]]), 0.9, 0.5)
+    adv, ret = algos.gae_advantages(T_([[0.0, 0.0, 1.0]]), T_([[0.5, 9.0, 0.8]]),
+                                    T_([[1, 0, 1]]), 0.9, 0.5)
     assert close(ret, [[0.81, 0.0, 1.0]])
     assert close(adv, [[1 / math.sqrt(2), 0.0, -1 / math.sqrt(2)]], tol=1e-4)
 
@@ -182,7 +190,8 @@ def test_advantages_no_sampled_tokens_at_all():
 
 
 def test_unwhitened_advantages_whiten_to_the_default():
-    """whiten=False leaves whitening to the caller (the trainer whitens over every rank's tokens)."""
+    """whiten=False leaves whitening to the caller (the trainer whitens over every rank's
+    tokens)."""
     r, v, m, *_ = random_batch(1)
     raw = algos.reinforce_pp_advantages(r, m, 0.9, whiten=False)
     assert close(algos.masked_whiten(raw, m) * m, algos.reinforce_pp_advantages(r, m, 0.9))
@@ -197,7 +206,8 @@ def test_agg_loss_modes_with_empty_row():
     loss = T_([[1.0, 2.0, 3.0], [4.0, 0.0, float("nan")], [9.0, 9.0, 9.0]])
     mask = T_([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     assert close(algos.agg_loss(loss, mask, "token_mean"), 7 / 3)  # (1+2+4)/3
-    assert close(algos.agg_loss(loss, mask, "seq_mean_token_mean"), 2.75)  # (1.5 + 4)/2, empty row left out
+    # (1.5 + 4)/2, empty row left out
+    assert close(algos.agg_loss(loss, mask, "seq_mean_token_mean"), 2.75)
     assert close(algos.agg_loss(loss, mask, "seq_mean_token_sum"), 3.5)  # (3 + 4)/2
     leaf = torch.ones(2, 3, requires_grad=True)
     for mode in algos.AGG_MODES:
@@ -220,7 +230,8 @@ def test_agg_denominator_is_what_agg_loss_divides_by():
     for mode in algos.AGG_MODES:
         parts = [(loss[:2], m[:2]), (loss[2:], m[2:])]
         dens = [algos.agg_denominator(pm, mode) for _, pm in parts]
-        mixed = sum(d * algos.agg_loss(pl, pm, mode) for (pl, pm), d in zip(parts, dens)) / sum(dens)
+        mixed = sum(d * algos.agg_loss(pl, pm, mode)
+                    for (pl, pm), d in zip(parts, dens)) / sum(dens)
         assert close(mixed, algos.agg_loss(loss, m, mode)), mode
 
 
@@ -233,7 +244,8 @@ def _pg_inputs():
 
 def test_policy_loss_clipping_by_hand():
     logp, old, adv, m = _pg_inputs()
-    # per token: -min(1.5, 1.2)=-1.2 (clipped); -min(-0.5,-0.8)=0.8 (clipped); -min(0.5,0.8)=-0.5; -min(-3,-1.2)=3
+    # per token: -min(1.5, 1.2)=-1.2 (clipped); -min(-0.5,-0.8)=0.8 (clipped); -min(0.5,0.8)=-0.5;
+    # -min(-3,-1.2)=3
     loss, stats = algos.policy_loss(logp, old, adv, m, agg="token_mean")
     assert close(loss, (-1.2 + 0.8 - 0.5 + 3.0) / 4)
     assert stats["clip_frac"] == 0.5 and stats["dual_clip_frac"] == 0.0
@@ -258,13 +270,15 @@ def test_policy_loss_asymmetric_and_dual_clip():
 
 def test_policy_loss_extreme_ratio_stays_finite():
     logp = T_([[200.0, 0.0]], requires_grad=True)
-    loss, _ = algos.policy_loss(logp, torch.zeros(1, 2), T_([[1.0, -1.0]]), torch.ones(1, 2), dual_clip=3.0)
+    loss, _ = algos.policy_loss(logp, torch.zeros(1, 2), T_([[1.0, -1.0]]), torch.ones(1, 2),
+                                dual_clip=3.0)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
 
 def test_tis_weights_by_hand():
-    # trainer 0.5 vs sampler 0.25 -> ratio 2, capped at 1.5; 0.25 vs 0.5 -> 0.5; equal -> 1; extreme -> cap
+    # trainer 0.5 vs sampler 0.25 -> ratio 2, capped at 1.5; 0.25 vs 0.5 -> 0.5; equal -> 1;
+    # extreme -> cap
     old, sampler = torch.log(T_([0.5, 0.25, 0.3, 1.0])), torch.log(T_([0.25, 0.5, 0.3, 1e-30]))
     w = algos.tis_weights(old, sampler, 1.5)
     assert close(w, [1.5, 0.5, 1.0, 1.5]) and not w.requires_grad
@@ -274,14 +288,17 @@ def test_tis_weights_by_hand():
 
 
 def test_policy_loss_token_weights():
-    """Each token's clipped loss (and its gradient) is multiplied by its weight before aggregation."""
+    """Each token's clipped loss (and its gradient) is multiplied by its weight before
+    aggregation."""
     logp, old, adv, m = _pg_inputs()
     w = T_([[2.0, 1.0, 0.5, 0.0]])
     loss, _ = algos.policy_loss(logp, old, adv, m, agg="token_mean", token_weights=w)
-    assert close(loss, (-1.2 * 2 + 0.8 - 0.5 * 0.5 + 0.0) / 4)  # per-token losses as in the clipping test
+    # per-token losses as in the clipping test
+    assert close(loss, (-1.2 * 2 + 0.8 - 0.5 * 0.5 + 0.0) / 4)
     loss.backward()
     assert close(logp.grad, [[0.0, 0.0, -0.5 * 0.5 / 4, 0.0]])
-    plain, _ = algos.policy_loss(logp.detach(), old, adv, m, agg="seq_mean_token_mean", token_weights=torch.ones(1, 4))
+    plain, _ = algos.policy_loss(logp.detach(), old, adv, m, agg="seq_mean_token_mean",
+                                 token_weights=torch.ones(1, 4))
     assert close(plain, algos.policy_loss(logp.detach(), old, adv, m)[0])
 
 
@@ -289,11 +306,13 @@ def test_value_loss_by_hand():
     # token 1: V_clip = 0.5 + 0.2 = 0.7; max((1-2)^2, (0.7-2)^2) = 1.69 -> 0.845 (clipped binds)
     # token 2: V_clip = 1.0 (inside the range); both errors 1 -> 0.5
     v = T_([[1.0, 1.0]], requires_grad=True)
-    loss, stats = algos.value_loss(v, T_([[0.5, 0.9]]), T_([[2.0, 0.0]]), torch.ones(1, 2), clip=0.2,
-                                   agg="token_mean")
-    assert close(loss, (0.845 + 0.5) / 2) and stats["clip_frac"] == 0.5 and close(stats["values_mean"], 1.0)
+    loss, stats = algos.value_loss(v, T_([[0.5, 0.9]]), T_([[2.0, 0.0]]), torch.ones(1, 2),
+                                   clip=0.2, agg="token_mean")
+    assert (close(loss, (0.845 + 0.5) / 2) and stats["clip_frac"] == 0.5
+            and close(stats["values_mean"], 1.0))
     loss.backward()
-    assert close(v.grad, [[0.0, 0.5]])  # clipped term is constant in V; the other: (V - R) / 2 tokens
+    # clipped term is constant in V; the other: (V - R) / 2 tokens
+    assert close(v.grad, [[0.0, 0.5]])
 
 
 def test_kl_estimators_by_hand():
@@ -313,8 +332,10 @@ def test_k3_clamp_and_finite_gradient():
     ref = T_([-30.0, 30.0, -1.0])
     k3 = algos.kl_penalty(logp, ref)
     assert close(k3, [10.0, 10.0, math.exp(-1) + 1 - 1])
-    # clamp=None: no cap on k3 (d = 15 -> e^-15 + 15 - 1); the log-ratio itself is still held to +-20
-    assert close(algos.kl_penalty(T_([0.0]), T_([-15.0]), clamp=None), [math.exp(-15) + 14], tol=1e-5)
+    # clamp=None: no cap on k3 (d = 15 -> e^-15 + 15 - 1); the log-ratio itself is still held
+    # to +-20
+    assert close(algos.kl_penalty(T_([0.0]), T_([-15.0]), clamp=None), [math.exp(-15) + 14],
+                 tol=1e-5)
     k3.sum().backward()
     assert torch.isfinite(logp.grad).all()
 
@@ -341,7 +362,8 @@ def test_bf16_inputs_compute_in_float32():
     r, v, m, *_ = random_batch(5)
     adv_bf, ret_bf = algos.gae_advantages(r.bfloat16(), v.bfloat16(), m)
     adv, ret = algos.gae_advantages(r.bfloat16().float(), v.bfloat16().float(), m)
-    assert adv_bf.dtype == torch.float32 and torch.allclose(adv_bf, adv) and torch.allclose(ret_bf, ret)
+    assert (adv_bf.dtype == torch.float32 and torch.allclose(adv_bf, adv)
+            and torch.allclose(ret_bf, ret))
     assert algos.reinforce_pp_advantages(r.bfloat16(), m).dtype == torch.float32
     assert algos.grpo_advantages(T_([1.0, 0.0]).bfloat16(), T_([0, 0])).dtype == torch.float32
     logp = torch.randn(2, 5).bfloat16().requires_grad_()
@@ -350,7 +372,8 @@ def test_bf16_inputs_compute_in_float32():
     assert loss.dtype == torch.float32 and logp.grad.dtype == torch.bfloat16
     z, ids = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
     lp = algos.logprobs_from_logits(z.bfloat16(), ids)
-    assert lp.dtype == torch.float32 and close(lp, algos.logprobs_from_logits(z.bfloat16().float(), ids))
+    assert (lp.dtype == torch.float32
+            and close(lp, algos.logprobs_from_logits(z.bfloat16().float(), ids)))
     assert algos.entropy_from_logits(z.bfloat16()).dtype == torch.float32
     assert algos.kl_penalty(logp, logp.detach()).dtype == torch.float32
 
@@ -367,7 +390,8 @@ def test_inputs_not_modified():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_scores_are_refused_not_spread(bad):
-    """One NaN would make every GRPO advantage of its group NaN (and every token of a whitened batch)."""
+    """One NaN would make every GRPO advantage of its group NaN (and every token of a whitened
+    batch)."""
     scores, groups = torch.tensor([1.0, bad, 0.0, 0.0]), torch.tensor([0, 0, 1, 1])
     for fn in (algos.grpo_advantages, algos.rloo_advantages):
         with pytest.raises(ValueError, match=r"scores must be finite; rows \[1\]"):

@@ -1,4 +1,5 @@
-"""BabyAI environment (env_server/babyai.py), in process: task ids, text, actions, reward, expert, splits."""
+"""BabyAI environment (env_server/babyai.py), in process: task ids, text, actions, reward, expert,
+splits."""
 
 import json
 import os
@@ -10,8 +11,8 @@ import gymnasium as gym
 import pytest
 
 from env_server import TaskError, get_env_class
-from env_server.babyai import (FAILURE_SUFFIX, LEVELS, NO_CHANGE, SUCCESS_SUFFIX, UNKNOWN_ACTION, BabyAIEnv,
-                               level_and_seed)
+from env_server.babyai import (FAILURE_SUFFIX, LEVELS, NO_CHANGE, SUCCESS_SUFFIX, UNKNOWN_ACTION,
+                               BabyAIEnv, level_and_seed)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,9 +54,10 @@ def test_id_to_level_and_seed(world, env):
 
 
 def test_the_real_warm_starts_tasks_hold_every_level_in_equal_shares(world):
-    """SmolLM2's BabyAI SFT recipe takes 400 of the 800 training tasks by level: 10 of each of the 40
-    (an even spread over the ids would keep only the even ids: 20 levels); a smaller count still spreads
-    over as many levels as it can; without `by_category` the even spread stays (the tiny recipe's)."""
+    """SmolLM2's BabyAI SFT recipe takes 400 of the 800 training tasks by level: 10 of each of the
+    40 (an even spread over the ids would keep only the even ids: 20 levels); a smaller count still
+    spreads over as many levels as it can; without `by_category` the even spread stays (the tiny
+    recipe's)."""
     from collections import Counter
 
     from models.warmstart import REAL_WARM_START, WARM_START, recipe_tasks
@@ -65,7 +67,8 @@ def test_the_real_warm_starts_tasks_hold_every_level_in_equal_shares(world):
     assert len(ids) == len(set(ids)) == 400 and set(ids) <= set(train) and ids == sorted(ids)
     per_level = Counter(BabyAIEnv.task_category(world, i) for i in ids)
     assert set(per_level) == set(LEVELS) and set(per_level.values()) == {10}
-    assert len(set(i % 40 for i in recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "by_category": False}))) == 20
+    assert len(set(i % 40 for i in recipe_tasks(
+        "babyai", {**REAL_WARM_START["babyai"], "by_category": False}))) == 20
     few = recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "tasks": 50})
     assert len(few) == 50 and len({BabyAIEnv.task_category(world, i) for i in few}) == 40
     assert len(recipe_tasks("babyai", {**REAL_WARM_START["babyai"], "tasks": 0})) == 800
@@ -95,13 +98,16 @@ def test_calls_before_reset_and_after_done(env):
 # ---- what the agent reads ----
 def test_first_observation(env):
     obs = env.reset(0)
-    assert obs.startswith("Your goal: go to the red ball\nIn front of you in this room, you can see several objects: ")
+    assert obs.startswith("Your goal: go to the red ball\n"
+                          "In front of you in this room, you can see several objects: ")
     assert "There is a red ball 1 4 steps in front of you and 3 steps to your right. " in obs
     assert "There is a grey key 1 1 steps in front of you and 1 steps to your left. " in obs
-    assert "The room has walls around you. You are facing a wall 6 steps away. You are not carrying anything." in obs
+    assert ("The room has walls around you. You are facing a wall 6 steps away. "
+            "You are not carrying anything." in obs)
     listed = actions_line(obs)
     assert listed == env.available_actions()
-    assert listed[:3] == ["turn left", "turn right", "move forward"] and listed[-1] == "check available actions"
+    assert (listed[:3] == ["turn left", "turn right", "move forward"]
+            and listed[-1] == "check available actions")
     assert "go to red ball 1" in listed and "pickup red ball 1" in listed
     assert env.observation() == obs
     detail = env.detail()
@@ -109,11 +115,12 @@ def test_first_observation(env):
     assert (detail["steps"], detail["env_steps"], detail["done"]) == (0, 0, False)
 
 
-# The text AgentGym's agentenv-babyai writes for these tasks and action scripts, whole: each object's
-# sentence ends with two spaces, the other sentences with one; a view of walls alone opens the object list
-# and lists nothing; a view of nothing at all has no space after "within sight.".
+# The text AgentGym's agentenv-babyai writes for these tasks and action scripts, whole: each
+# object's sentence ends with two spaces, the other sentences with one; a view of walls alone opens
+# the object list and lists nothing; a view of nothing at all has no space after "within sight.".
 AGENTGYM_TEXT = [
-    (0, [], "Your goal: go to the red ball\nIn front of you in this room, you can see several objects: "
+    (0, [], "Your goal: go to the red ball\n"
+     "In front of you in this room, you can see several objects: "
      "There is a grey key 1 1 steps in front of you and 1 steps to your left.  "
      "There is a grey ball 1 1 steps in front of you and 1 steps to your right.  "
      "There is a grey key 2 2 steps in front of you and 1 steps to your left.  "
@@ -122,11 +129,13 @@ AGENTGYM_TEXT = [
      "There is a grey ball 2 5 steps in front of you and 1 steps to your right.  "
      "There is a grey key 4 4 steps in front of you and 2 steps to your right.  "
      "There is a red ball 1 4 steps in front of you and 3 steps to your right.  "
-     "The room has walls around you. You are facing a wall 6 steps away. You are not carrying anything.\n"
-     'Available actions: ["turn left", "turn right", "move forward", "pickup grey key 1", "pickup grey ball 1", '
-     '"pickup grey key 2", "pickup grey key 3", "pickup grey box 1", "pickup grey ball 2", "pickup grey key 4", '
-     '"pickup red ball 1", "go to grey key 1", "go to grey ball 1", "go to grey key 2", "go to grey key 3", '
-     '"go to grey box 1", "go to grey ball 2", "go to grey key 4", "go to red ball 1", "check available actions"]'),
+     "The room has walls around you. You are facing a wall 6 steps away. "
+     "You are not carrying anything.\n"
+     'Available actions: ["turn left", "turn right", "move forward", "pickup grey key 1", '
+     '"pickup grey ball 1", "pickup grey key 2", "pickup grey key 3", "pickup grey box 1", '
+     '"pickup grey ball 2", "pickup grey key 4", "pickup red ball 1", "go to grey key 1", '
+     '"go to grey ball 1", "go to grey key 2", "go to grey key 3", "go to grey box 1", '
+     '"go to grey ball 2", "go to grey key 4", "go to red ball 1", "check available actions"]'),
     (0, ["turn left", "turn left"],  # facing the wall behind the start: walls only
      "In front of you in this room, you can see several objects: The room has walls around you. "
      "You are facing a wall 1 steps away. You are not carrying anything.\n"
@@ -134,16 +143,20 @@ AGENTGYM_TEXT = [
     (0, ["pickup grey key 1"],
      "In front of you in this room, you can see several objects: "
      "There is a grey key 1 1 steps in front of you and 1 steps to your right.  "
-     "The room has walls around you. You are facing a wall 2 steps away. You are carrying a grey key.\n"
+     "The room has walls around you. You are facing a wall 2 steps away. "
+     "You are carrying a grey key.\n"
      'Available actions: ["turn left", "turn right", "move forward", "drop", "go to grey key 1", '
      '"check available actions"]'),
-    (9, [], "Your goal: go to a grey door\nIn front of you in this room, you can see several objects: "
+    (9, [], "Your goal: go to a grey door\n"
+     "In front of you in this room, you can see several objects: "
      "There is a grey locked door 1 2 steps in front of you and 2 steps to your right.  "
-     "The room has walls around you. You are facing a wall 2 steps away. You are not carrying anything.\n"
+     "The room has walls around you. You are facing a wall 2 steps away. "
+     "You are not carrying anything.\n"
      'Available actions: ["turn left", "turn right", "move forward", "go to grey locked door 1", '
      '"check available actions"]'),
     (32, ["turn right"],  # OneRoomS20: open floor all around
-     "You cannot see any objects within sight.The room has walls around you. You are not carrying anything.\n"
+     "You cannot see any objects within sight.The room has walls around you. "
+     "You are not carrying anything.\n"
      'Available actions: ["turn left", "turn right", "move forward", "check available actions"]'),
 ]
 
@@ -159,7 +172,8 @@ def test_text_is_agentgyms(env, idx, script, expected):
 
 
 def test_first_view_of_a_carried_object(env):
-    """PutNextS7N4Carrying: the object the agent starts with is carried, not also listed where it lay."""
+    """PutNextS7N4Carrying: the object the agent starts with is carried, not also listed where it
+    lay."""
     obs = env.reset(22)
     assert env.detail()["carrying"] == "yellow box" and "You are carrying a yellow box." in obs
     view = obs.split("\n")[1]  # the goal line names the box too
@@ -228,7 +242,8 @@ def test_doors_toggle_and_go_through(env):
     env.step("toggle")
     before = env.detail()["position"]
     env.step("go through red open door 1")
-    assert env.detail()["position"] != before and "go through red open door 1" not in env.available_actions()
+    assert (env.detail()["position"] != before
+            and "go through red open door 1" not in env.available_actions())
 
 
 def test_toggle_and_go_through_opens(env):
@@ -244,14 +259,16 @@ def test_invalid_actions_cost_a_turn_only(env):
     assert result.observation.startswith(UNKNOWN_ACTION + "\nAvailable actions: [")
     assert (result.reward, result.done, result.info["action_valid"]) == (0, False, False)
     assert env.step("").observation.startswith(NO_CHANGE)
-    assert env.step("drop").observation.startswith("You cannot drop the object, as you are not carrying anything.")
+    assert env.step("drop").observation.startswith(
+        "You cannot drop the object, as you are not carrying anything.")
     assert env.step("toggle and go through grey locked door 1").observation.startswith(
         "You cannot toggle and go through grey locked door 1, as you are not carrying a key.")
     assert env.step("go through grey locked door 1").observation.startswith(
         "You cannot go through grey locked door 1, as it is locked. You should toggle it first.")
     after = env.detail()
     assert after["steps"] == before["steps"] + 5
-    assert (after["env_steps"], after["position"], after["direction"]) == (0, before["position"], before["direction"])
+    assert ((after["env_steps"], after["position"], after["direction"])
+            == (0, before["position"], before["direction"]))
 
 
 def test_barrier_and_check_actions(env):
@@ -263,7 +280,8 @@ def test_barrier_and_check_actions(env):
     assert env.step("move forward").observation.startswith(
         "There is a barrier in front of you, you can't move forward.")
     result = env.step("check available actions")
-    assert result.observation.startswith("You can take the following actions: " + ", ".join(env.available_actions()))
+    assert result.observation.startswith("You can take the following actions: "
+                                         + ", ".join(env.available_actions()))
     assert result.info["action_valid"]
 
 
@@ -310,7 +328,8 @@ def play_expert(env, idx, max_turns=100):
 
 
 def test_expert_solves_every_level(env):
-    """Seeds 1 and 2 of every level (OpenDoorsOrderN4Debug's ids 55 and 95: two-door missions in order)."""
+    """Seeds 1 and 2 of every level (OpenDoorsOrderN4Debug's ids 55 and 95: two-door missions in
+    order)."""
     ids = [seed * 40 + level for seed in (1, 2) for level in range(40)]
     turns = {idx: play_expert(env, idx) for idx in ids}
     assert [(idx, LEVELS[idx % 40]) for idx, t in turns.items() if t is None] == []
@@ -328,8 +347,9 @@ def test_expert_takes_over_from_any_state(env):
 
 
 def test_two_door_missions_in_order_are_won_in_order_only(env):
-    """minigrid checks the toggle that opens the first door against the second part too, and the Debug
-    level's strict OpenInstr fails it; here the second part is checked from the next action on."""
+    """minigrid checks the toggle that opens the first door against the second part too, and the
+    Debug level's strict OpenInstr fails it; here the second part is checked from the next action
+    on."""
     env.reset(15)  # "open the purple door after you open the red door"
     assert "open the purple door after you open the red door" in env.observation()
     env.step("go to red closed door 1")
@@ -355,7 +375,9 @@ def test_splits_disjoint_stratified_and_as_documented(world):
     assert not set(train) & set(test)
     assert all(0 <= i < BabyAIEnv.num_tasks(world) for i in train + test)
     assert len(train) == len(set(train)) == 800 and len(test) == len(set(test)) == 200
-    assert test == list(range(200)) and train == list(range(200, 1000))  # seeds 0-4 test, 5-24 train
+    # seeds 0-4 test, 5-24 train
+    assert test == list(range(200)) and train == list(range(200, 1000))
     for ids, per_level in ((train, 20), (test, 5)):
-        counts = [sum(1 for i in ids if BabyAIEnv.task_category(world, i) == level) for level in LEVELS]
+        counts = [sum(1 for i in ids if BabyAIEnv.task_category(world, i) == level)
+                  for level in LEVELS]
         assert counts == [per_level] * 40

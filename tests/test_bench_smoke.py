@@ -9,8 +9,9 @@ from conftest import ROOT
 
 
 def test_env_throughput_bench_runs():
-    out = subprocess.run([sys.executable, "bench/env_throughput.py", "--env", "textcraft", "--sizes", "4",
-                          "--seconds", "0.3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "bench/env_throughput.py", "--env", "textcraft",
+                          "--sizes", "4", "--seconds", "0.3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "in-process step rate" in lines[0]
@@ -20,13 +21,16 @@ def test_env_throughput_bench_runs():
 
 
 def test_soak_bench_runs():
-    out = subprocess.run([sys.executable, "bench/soak.py", "--env", "corridor", "--minutes", "0.05", "--instances", "8",
-                          "--steps", "3", "--idle-timeout", "0.5", "--sample-s", "0.5",
-                          "--max-rss-growth", "1000"],  # 3 s are no warm-up: the RSS check is for real soaks
+    out = subprocess.run([sys.executable, "bench/soak.py", "--env", "corridor", "--minutes", "0.05",
+                          "--instances", "8", "--steps", "3", "--idle-timeout", "0.5",
+                          "--sample-s", "0.5",
+                          # 3 s are no warm-up: the RSS check is for real soaks
+                          "--max-rss-growth", "1000"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[1].split() == ["elapsed_s", "live", "abandoned", "reaped", "rss_mb", "steps/s", "errors"]
+    assert lines[1].split() == ["elapsed_s", "live", "abandoned", "reaped", "rss_mb", "steps/s",
+                                "errors"]
     summary = next(line for line in lines if line.startswith("corridor:") and "rounds" in line)
     assert "0 errors" in summary and "live at the end 0" in summary
     abandoned, reaped = re.search(r"abandoned (\d+), reaped (\d+)", summary).groups()
@@ -36,34 +40,39 @@ def test_soak_bench_runs():
 
 def test_turn_cache_bench_runs(tmp_path):
     import models.tiny as tiny_model
-    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words", layers=1, hidden=32)
-    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor", "--tasks", "4", "--turns", "3",
-                          "--max-new-tokens", "4", "--model", path, "--threads", "1"],
+    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words",
+                            layers=1, hidden=32)
+    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor",
+                          "--tasks", "4", "--turns", "3", "--max-new-tokens", "4", "--model", path,
+                          "--threads", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     full, kept = (re.search(r"encoded\s+([\d,]+)\s+reused\s+([\d,]+)", line).groups()
                   for line in out.stdout.splitlines() if "encoded" in line)
     assert full[1] == "0" and int(kept[1].replace(",", "")) > 0  # only the second run reuses
     assert "identical episodes 4/4" in out.stdout
-    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor", "--tasks", "6", "--turns", "3",
-                          "--max-new-tokens", "8", "--model", path, "--threads", "1", "--compare", "compaction",
-                          "--temperature", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "bench/turn_cache.py", "--env", "corridor",
+                          "--tasks", "6", "--turns", "3", "--max-new-tokens", "8", "--model", path,
+                          "--threads", "1", "--compare", "compaction", "--temperature", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     every, going = (int(re.search(r"decoded rows\s+([\d,]+)", line).group(1).replace(",", ""))
                     for line in out.stdout.splitlines() if "decoded rows" in line)
-    assert going <= every and "identical episodes 6/6" in out.stdout, out.stdout  # sampled, one seed: the same
+    # sampled, one seed: the same
+    assert going <= every and "identical episodes 6/6" in out.stdout, out.stdout
 
 
 def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
-    """bench/main_command.py's plumbing on a tiny Corridor run: the run folder's summary.json and eval.jsonl read
-    back into the gain and the minutes the goal is judged on (summary.json)."""
+    """bench/main_command.py's plumbing on a tiny Corridor run: the run folder's summary.json and
+    eval.jsonl read back into the gain and the minutes the goal is judged on (summary.json)."""
     import json
     import os
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import main_command
     monkeypatch.setitem(main_command.COMMANDS, "corridor", [
-        "--env", "corridor", "--steps", "2", "--schedule", "3", "--batch-size", "2", "--group-size", "2",
-        "--max-new-tokens", "4", "--threads", "1", "--eval-tasks", "4", "--cache-dir", str(tmp_path / "cache")])
+        "--env", "corridor", "--steps", "2", "--schedule", "3", "--batch-size", "2",
+        "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--eval-tasks", "4",
+        "--cache-dir", str(tmp_path / "cache")])
     r = main_command.run("corridor", 0, str(tmp_path / "run"))
     with open(tmp_path / "run" / "eval.jsonl") as f:
         evals = [json.loads(x) for x in f]
@@ -74,33 +83,39 @@ def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
 
 
 def test_horizon_comparison_runs_on_corridor(tmp_path):
-    """bench/horizons.py on CPU with tiny settings: three schedules from the same start, two steps each,
-    run side by side, then one PNG and a table (Markdown and JSON) naming device, speeds and memory."""
+    """bench/horizons.py on CPU with tiny settings: three schedules from the same start, two steps
+    each, run side by side, then one PNG and a table (Markdown and JSON) naming device, speeds and
+    memory."""
     import json
     import os
     out = tmp_path / "h"
-    r = subprocess.run([sys.executable, "bench/horizons.py", "--env", "corridor", "--horizons", "2", "4", "2,4",
-                        "--steps", "2", "--eval-every", "1", "--parallel", "3", "--device", "cpu", "--no-save",
+    r = subprocess.run([sys.executable, "bench/horizons.py", "--env", "corridor",
+                        "--horizons", "2", "4", "2,4", "--steps", "2", "--eval-every", "1",
+                        "--parallel", "3", "--device", "cpu", "--no-save",
                         "--out", str(out),
-                        "--train", f"--batch-size 2 --group-size 2 --max-new-tokens 4 --threads 1 --eval-tasks 4 "
+                        "--train", f"--batch-size 2 --group-size 2 --max-new-tokens 4 --threads 1 "
+                                   f"--eval-tasks 4 "
                                    f"--entropy-coef 0.01 "  # every row computed, tied groups too
                                    f"--cache-dir {tmp_path / 'cache'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     table = json.load(open(out / "horizons.json"))
-    assert [t["schedule"] for t in table["runs"]] == ["2", "4", "2,4"] and table["device"].startswith("CPU")
+    assert ([t["schedule"] for t in table["runs"]] == ["2", "4", "2,4"]
+            and table["device"].startswith("CPU"))
     for t in table["runs"]:
         assert [step for step, _ in t["curve"]] == [0, 1, 2]
         assert t["gen_tokens_per_s"] > 0 and t["train_tokens_per_s"] > 0
     metrics = [json.loads(x) for x in open(out / "corridor" / "K2-4_s0" / "metrics.jsonl")]
     assert [m["max_turns"] for m in metrics] == [2, 4]  # ScalingInter-RL: the horizon grew
-    assert os.path.getsize(out / "horizons.png") > 10_000 and "| 2,4 |" in open(out / "horizons.md").read()
-    assert not os.path.exists(out / "corridor" / "K2-4_s0" / "checkpoint")  # --no-save: metrics only
+    assert (os.path.getsize(out / "horizons.png") > 10_000
+            and "| 2,4 |" in open(out / "horizons.md").read())
+    # --no-save: metrics only
+    assert not os.path.exists(out / "corridor" / "K2-4_s0" / "checkpoint")
 
 
 def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
-    """The expert's checked thoughts are right by construction; the same thoughts with every mark flipped
-    are all wrong, and the recipes listed are the expert's chain."""
+    """The expert's checked thoughts are right by construction; the same thoughts with every mark
+    flipped are all wrong, and the recipes listed are the expert's chain."""
     import json
     from env_server.textcraft import TextCraftEnv
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -115,14 +130,19 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
         thought = env.expert_thought(action, checked=True)
         chains[idx] = thought.count(" using ")
         tasks.append({"item_id": idx, "category": TextCraftEnv.task_category(world, idx)})
-        for rows, text in ((right, thought), (wrong, re.sub(r": (craft|get)", lambda m: ": " + flip[m[1]], thought))):
+        for rows, text in ((right, thought),
+                           (wrong, re.sub(r": (craft|get)", lambda m: ": " + flip[m[1]], thought))):
             rows.append({"item_id": idx, "messages": [
-                {"role": "user", "content": "You are playing a crafting game."}, {"role": "assistant", "content": "OK."},
-                {"role": "user", "content": obs}, {"role": "assistant", "content": f"Thought: {text}\nAction: {action}"}]})
+                {"role": "user", "content": "You are playing a crafting game."},
+                {"role": "assistant", "content": "OK."},
+                {"role": "user", "content": obs},
+                {"role": "assistant", "content": f"Thought: {text}\nAction: {action}"}]})
     category = {t["item_id"]: t["category"] for t in tasks}
-    good, bad = first_thoughts.summarize(world, right, category), first_thoughts.summarize(world, wrong, category)
+    good, bad = (first_thoughts.summarize(world, right, category),
+                 first_thoughts.summarize(world, wrong, category))
     assert sum(s["episodes"] for s in good.values()) == len(tasks)
-    assert all(s["marks"] > 0 and s["marks_right"] == 1.0 and s["marked"] == 1.0 for s in good.values())
+    assert all(s["marks"] > 0 and s["marks_right"] == 1.0 and s["marked"] == 1.0
+               for s in good.values())
     assert all(s["marks_right"] == 0.0 for s in bad.values())
     for cat, s in good.items():
         ids = [i for i in chains if category[i] == cat]
@@ -130,12 +150,14 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
     # the script end to end: a result file and its episodes beside it
     (tmp_path / "r.json").write_text(json.dumps({"config": {"env": "textcraft"}, "tasks": tasks}))
     (tmp_path / "r.rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in right))
-    out = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "r.json")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "r.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert all(line.endswith("100%") for line in out.stdout.splitlines()[1:]) and len(out.stdout.splitlines()) > 1
-    missing = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "nope.json")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    assert (all(line.endswith("100%") for line in out.stdout.splitlines()[1:])
+            and len(out.stdout.splitlines()) > 1)
+    missing = subprocess.run([sys.executable, "bench/first_thoughts.py",
+                              str(tmp_path / "nope.json")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "nope.json not found" in missing.stderr
 
 
@@ -146,18 +168,21 @@ def test_sampler_gap_reads_a_step_log(tmp_path):
     import json
 
     import models.tiny as tiny_model
-    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words", layers=1,
-                            hidden=32)
+    path = tiny_model.build(str(tmp_path / "m"), env_names=("corridor",), tokenizer="words",
+                            layers=1, hidden=32)
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", path, "--steps", "1",
-                          "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4", "--engine", "hf",
-                          "--threads", "1", "--eval-every", "0", "--schedule", "3", "--out", str(run)],
+    out = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", path,
+                          "--steps", "1", "--batch-size", "2", "--group-size", "4",
+                          "--max-new-tokens", "4", "--engine", "hf", "--threads", "1",
+                          "--eval-every", "0", "--schedule", "3", "--out", str(run)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     gap = {}
     for dtype in ("fp32", "bf16"):
-        out = subprocess.run([sys.executable, "bench/sampler_gap.py", str(run / "rollouts" / "step_000001.jsonl"),
-                              "--env", "corridor", "--model", path, "--dtype", dtype, "--threads", "1"],
+        out = subprocess.run([sys.executable, "bench/sampler_gap.py",
+                              str(run / "rollouts" / "step_000001.jsonl"),
+                              "--env", "corridor", "--model", path, "--dtype", dtype,
+                              "--threads", "1"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         gap[dtype] = json.loads(out.stdout.strip().splitlines()[-1])

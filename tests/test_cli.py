@@ -1,8 +1,8 @@
-"""The command lines explain themselves: every default in -h (a % in a help prints as written), a run
-folder that already holds a run is refused, the run folder is printed first and a short table last
-(every number in summary.json), one-line errors for a missing model folder, an unknown hub name, an
-unreachable --env-addr and a taken port, a warning for steps that never reach a stage, and a run's
-config.json replayed with --config, flags beside it overriding it."""
+"""The command lines explain themselves: every default in -h (a % in a help prints as written), a
+run folder that already holds a run is refused, the run folder is printed first and a short table
+last (every number in summary.json), one-line errors for a missing model folder, an unknown hub
+name, an unreachable --env-addr and a taken port, a warning for steps that never reach a stage, and
+a run's config.json replayed with --config, flags beside it overriding it."""
 
 import json
 import os
@@ -16,8 +16,8 @@ from conftest import ROOT
 
 import train
 
-TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
-        "--schedule", "2", "--steps", "1"]
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
+        "--threads", "1", "--schedule", "2", "--steps", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ MODULES = {"sft.py": ["-m", "recipes.sft"]}  # scripts that live in a layer run 
 
 
 def run(args, timeout=300, **kw):
-    return subprocess.run([sys.executable, *MODULES.get(args[0], args[:1]), *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run([sys.executable, *MODULES.get(args[0], args[:1]), *args[1:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "sft.py"])
@@ -39,8 +40,10 @@ def test_help_shows_every_default_and_prints_percent_signs(script):
     text = " ".join(r.stdout.split())
     assert "(default: textcraft)" in text and "--config FILE" in text
     if script == "train.py":
-        assert "(default: 0.2)" in text and "(default: grpo)" in text and "(default: 10,20,30)" in text
-        assert "~30% slower" in text and "{'" not in r.stdout  # the % is printed, not a formatting of vars()
+        assert ("(default: 0.2)" in text and "(default: grpo)" in text
+                and "(default: 10,20,30)" in text)
+        # the % is printed, not a formatting of vars()
+        assert "~30% slower" in text and "{'" not in r.stdout
         assert "dr_grpo" in text  # the estimator choices come from algos.ESTIMATORS
 
 
@@ -49,7 +52,8 @@ def test_env_server_help_points_to_each_envs_own_flags():
     assert r.returncode == 0 and "python -m env_server NAME -h" in r.stdout
     r = run(["-m", "env_server", "searchqa", "-h"])
     text = " ".join(r.stdout.split())
-    assert r.returncode == 0 and "searchqa options" in text and "--topk" in text and "(default: 36001)" in text
+    assert (r.returncode == 0 and "searchqa options" in text and "--topk" in text
+            and "(default: 36001)" in text)
 
 
 def test_a_run_prints_its_folder_first_and_a_table_last(tmp_path, cache_dir):
@@ -58,20 +62,25 @@ def test_a_run_prints_its_folder_first_and_a_table_last(tmp_path, cache_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0] == f"run folder: {out}"
-    assert "training success (mean of 1 step)" in r.stdout and "held-out success, step 0 -> 1 (4 tasks" in r.stdout
+    assert ("training success (mean of 1 step)" in r.stdout
+            and "held-out success, step 0 -> 1 (4 tasks" in r.stdout)
     assert lines[-1].startswith(f"  every number: {out}/summary.json")
     summary = json.load(open(os.path.join(out, "summary.json")))
-    assert summary["steps"] == 1 and summary["eval_step_end"] == 1 and "eval_by_category_end" in summary
+    assert (summary["steps"] == 1 and summary["eval_step_end"] == 1
+            and "eval_by_category_end" in summary)
     assert not any(line.startswith("{") for line in lines)  # no JSON dump on the terminal
 
 
 def test_an_out_folder_holding_a_run_is_refused_without_resume(tmp_path, cache_dir):
     out = str(tmp_path / "run")
-    assert run(["train.py", *TINY, "--eval-every", "0", "--out", out, "--cache-dir", cache_dir]).returncode == 0
+    assert run(["train.py", *TINY, "--eval-every", "0", "--out", out,
+                "--cache-dir", cache_dir]).returncode == 0
     before = open(os.path.join(out, "metrics.jsonl")).read()
     r = run(["train.py", *TINY, "--eval-every", "0", "--out", out, "--cache-dir", cache_dir])
-    assert r.returncode == 2 and f"--out {out} already holds a run" in r.stderr and "--resume" in r.stderr
-    assert open(os.path.join(out, "metrics.jsonl")).read() == before  # nothing appended, nothing overwritten
+    assert (r.returncode == 2 and f"--out {out} already holds a run" in r.stderr
+            and "--resume" in r.stderr)
+    # nothing appended, nothing overwritten
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
 
 
 def one_line_error(r, needle):
@@ -82,16 +91,19 @@ def one_line_error(r, needle):
 def test_a_missing_model_folder_is_one_line_and_leaves_no_run_folder(tmp_path):
     out = tmp_path / "run"
     for script in ("train.py", "eval.py", "sft.py"):
-        r = run([script, "--env", "corridor", "--model", str(tmp_path / "no-model"), "--out", str(out)])
+        r = run([script, "--env", "corridor", "--model", str(tmp_path / "no-model"),
+                 "--out", str(out)])
         one_line_error(r, f"--model {tmp_path / 'no-model'}: no such folder")
     assert not out.exists()
 
 
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):
     t0 = time.time()
-    r = run(["train.py", "--env", "corridor", "--model", "no-such-org/no-such-model-3f9a", "--out", str(tmp_path / "r")],
+    r = run(["train.py", "--env", "corridor", "--model", "no-such-org/no-such-model-3f9a",
+             "--out", str(tmp_path / "r")],
             env={**os.environ, "HF_HUB_OFFLINE": "0"})
-    one_line_error(r, "--model no-such-org/no-such-model-3f9a: not a local folder, not in the Hugging Face cache")
+    one_line_error(r, "--model no-such-org/no-such-model-3f9a: not a local folder, "
+                      "not in the Hugging Face cache")
     assert time.time() - t0 < 40 and not (tmp_path / "r").exists()
     r = run(["train.py", "--env", "corridor", "--model", "no-such-org/no-such-model-3f9a"],
             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -118,29 +130,34 @@ def test_a_taken_port_is_one_line():
         s.listen()
         port = s.getsockname()[1]
         r = run(["-m", "env_server", "corridor", "--port", str(port)], timeout=60)
-    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert (r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+            and "Traceback" not in r.stderr)
 
 
 def test_fewer_steps_than_stages_warns(capsys):
     train.parse_args(["--env", "corridor", "--schedule", "10,20,30", "--steps", "2"])
     err = capsys.readouterr().err
     assert "warning: --steps 2 reaches 2 of the 3 stages of --schedule 10,20,30" in err
-    train.parse_args(["--env", "corridor", "--schedule", "10,20,30", "--steps", "20", "--schedule-every", "5"])
+    train.parse_args(["--env", "corridor", "--schedule", "10,20,30", "--steps", "20",
+                      "--schedule-every", "5"])
     assert "reaches 3 of the 3" not in capsys.readouterr().err  # every stage reached: no warning
-    train.parse_args(["--env", "corridor", "--schedule", "10,20,30", "--steps", "9", "--schedule-every", "5"])
+    train.parse_args(["--env", "corridor", "--schedule", "10,20,30", "--steps", "9",
+                      "--schedule-every", "5"])
     assert "reaches 2 of the 3 stages" in capsys.readouterr().err
 
 
 def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir):
     out = tmp_path / "first"
-    assert run(["train.py", *TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out), "--cache-dir",
-                cache_dir]).returncode == 0
-    replay = train.parse_args(["--config", str(out / "config.json"), "--out", str(tmp_path / "second"), "--seed", "3"])
+    assert run(["train.py", *TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out),
+                "--cache-dir", cache_dir]).returncode == 0
+    replay = train.parse_args(["--config", str(out / "config.json"),
+                               "--out", str(tmp_path / "second"), "--seed", "3"])
     saved = json.load(open(out / "config.json"))
     assert replay.seed == 3 and replay.out == str(tmp_path / "second")
     assert {k: v for k, v in vars(replay).items() if k not in ("seed", "out")} == \
         {k: v for k, v in saved.items() if k not in ("seed", "out")}
-    r = run(["train.py", "--config", str(out / "config.json")])  # as it was: its folder holds that run
+    # as it was: its folder holds that run
+    r = run(["train.py", "--config", str(out / "config.json")])
     assert r.returncode == 2 and "already holds a run" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"env": "corridor", "learning_rate": 1}))
@@ -149,14 +166,17 @@ def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir):
 
 
 def test_train_and_test_ids_may_not_overlap(tmp_path):
-    """A --tasks-file training list that shares ids with the server's test split is refused: held-out
-    numbers on tasks the policy trained on measure memory, not generalisation."""
+    """A --tasks-file training list that shares ids with the server's test split is refused:
+    held-out numbers on tasks the policy trained on measure memory, not generalisation."""
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([0, 1, 50, 51]))  # corridor's test split is 48-59
-    r = run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")])
-    one_line_error(r, f"--tasks-file {ids}: 2 task ids are in both the training and the test split (first: [50, 51])")
+    r = run(["train.py", "--env", "corridor", "--tasks-file", str(ids),
+             "--out", str(tmp_path / "r")])
+    one_line_error(r, f"--tasks-file {ids}: 2 task ids are in both the training and the test split "
+                      f"(first: [50, 51])")
     ids.write_text(json.dumps({"train": [0, 1, 2], "test": [2, 48]}))
-    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids), "--out", str(tmp_path / "r")]),
+    one_line_error(run(["train.py", "--env", "corridor", "--tasks-file", str(ids),
+                        "--out", str(tmp_path / "r")]),
                    "1 task ids are in both")
     assert not (tmp_path / "r").exists()  # refused before anything is written
 
@@ -167,7 +187,8 @@ def test_help_prints_no_default_the_help_already_states():
         assert "(default: None)" not in text, script
     text = " ".join(run(["train.py", "-h"]).stdout.split())
     assert "(default: steps / number of stages) --schedule-kind" in text
-    assert "with --model configs/real-" in text and "(1e-6, the paper's) --out" in text  # (-h wraps)
+    # (-h wraps)
+    assert "with --model configs/real-" in text and "(1e-6, the paper's) --out" in text
     assert "(default: 0.0001)" in text  # --critic-lr, whose help says no default
 
 
@@ -175,23 +196,26 @@ def test_help_lists_the_essential_flags_first_and_the_rest_in_groups():
     """-h: the essential flags first (those the three scripts share among them), then named groups;
     a flag the three scripts share is declared once (trainer/cli.py's Shared)."""
     text = run(["train.py", "-h"]).stdout
-    groups = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    groups = [line[:-1] for line in text.splitlines()
+              if line and not line.startswith(" ") and line.endswith(":")]
     assert groups[:2] == ["options", "essential flags"] and len(groups) >= 6, groups
     assert text.index("--steps") < text.index("essential flags") + 2000 < text.index("--critic-lr")
     for script in ("train.py", "eval.py", "sft.py"):
         shared = run([script, "-h"]).stdout
-        assert "seed of task order, noise and sampling" in shared and "where built-in models are built" in shared
+        assert ("seed of task order, noise and sampling" in shared
+                and "where built-in models are built" in shared)
 
 
 def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(tmp_path, cache_dir):
-    """--resume --out RUN alone is RUN's config (not the defaults: a Corridor run stays Corridor); a flag
-    given beside it overrides, and config.json records it."""
+    """--resume --out RUN alone is RUN's config (not the defaults: a Corridor run stays Corridor); a
+    flag given beside it overrides, and config.json records it."""
     out = tmp_path / "run"
     args = [*TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out), "--cache-dir", cache_dir]
     assert run(["train.py", *args]).returncode == 0
     first = json.load(open(out / "config.json"))
     cfg = train.parse_args(["--resume", "--out", str(out)])
-    assert {k: v for k, v in vars(cfg).items() if k != "resume"} == {k: v for k, v in first.items() if k != "resume"}
+    assert ({k: v for k, v in vars(cfg).items() if k != "resume"}
+            == {k: v for k, v in first.items() if k != "resume"})
     assert cfg.env == "corridor" and cfg.lr == 1e-3 and cfg.resume
     r = run(["train.py", "--resume", "--out", str(out), "--steps", "2", "--save-every", "-1"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -219,10 +243,12 @@ def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cac
     out = tmp_path / "run"
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([0, 1, 50]))  # 50 is a Corridor test task
-    r = run(["train.py", *TINY, "--tasks-file", str(ids), "--out", str(out), "--cache-dir", cache_dir])
+    r = run(["train.py", *TINY, "--tasks-file", str(ids), "--out", str(out),
+             "--cache-dir", cache_dir])
     one_line_error(r, "1 task ids are in both the training and the test split")
     assert not (out / "config.json").exists()
-    for bad in (["--lr", "-1"], ["--critic-lr", "0"], ["--temperature", "0"], ["--top-p", "0"], ["--gamma", "1.5"],
+    for bad in (["--lr", "-1"], ["--critic-lr", "0"], ["--temperature", "0"], ["--top-p", "0"],
+                ["--gamma", "1.5"],
                 ["--max-grad-norm", "0"], ["--kl-coef", "-0.1"], ["--eval-samples", "0"]):
         r = run(["train.py", *TINY, *bad, "--out", str(out), "--cache-dir", cache_dir])
         one_line_error(r, bad[0] + " must be")
@@ -232,12 +258,13 @@ def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cac
 
 
 def test_a_folder_with_only_a_config_is_not_a_run(tmp_path, cache_dir):
-    """What an earlier version left after a refused start: config.json alone. It holds no run: a new start
-    may use the folder, and --resume says there is no checkpoint, in one line."""
+    """What an earlier version left after a refused start: config.json alone. It holds no run: a new
+    start may use the folder, and --resume says there is no checkpoint, in one line."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"env": "textcraft"}))
-    one_line_error(run(["train.py", "--resume", "--out", str(out)]), f"--resume: no checkpoint in {out}")
+    one_line_error(run(["train.py", "--resume", "--out", str(out)]),
+                   f"--resume: no checkpoint in {out}")
     cfg = train.parse_args([*TINY, "--out", str(out)])
     assert cfg.out == str(out)
 
@@ -265,12 +292,14 @@ def test_an_env_addr_serving_another_game_is_refused(tmp_path):
     url, stop = serve_in_thread(TextCraftEnv)
     try:
         for script in ("train.py", "eval.py"):
-            r = run([script, "--env", "corridor", "--env-addr", url, "--out", str(tmp_path / script)])
+            r = run([script, "--env", "corridor", "--env-addr", url,
+                     "--out", str(tmp_path / script)])
             one_line_error(r, f"--env-addr {url} serves textcraft, not corridor (--env)")
             assert not (tmp_path / script).exists()
     finally:
         stop()
-    silent = Flask("agentgym-like")  # AgentGym's servers answer / in plain text, without naming the game
+    # AgentGym's servers answer / in plain text, without naming the game
+    silent = Flask("agentgym-like")
     silent.get("/")(lambda: "ok")
     url, stop = serve_wsgi_in_thread(silent)
     try:
@@ -283,13 +312,15 @@ def test_an_env_addr_serving_another_game_is_refused(tmp_path):
 
 def test_the_shipped_configs_are_the_runs_they_name():
     """configs/textcraft-smollm2.json is the real-model headline's run, the third vLLM plan
-    (docs/real_model.md): it parses, the settings the plan fixed hold after the real-model defaults, and
-    its 34 tasks are training tasks."""
+    (docs/real_model.md): it parses, the settings the plan fixed hold after the real-model defaults,
+    and its 34 tasks are training tasks."""
     from env_server.textcraft import load_builtin_world
 
     cfg = train.parse_args(["--config", os.path.join(ROOT, "configs", "textcraft-smollm2.json")])
-    plan = dict(env="textcraft", model="smollm2-135m-sft", schedule="10", steps=10, batch_size=8, group_size=4,
-                lr=3e-6, warmup_steps=0, mini_batch_size=8, kl_coef=0.001, max_update_kl=0.01, dynamic_sampling=True,
+    plan = dict(env="textcraft", model="smollm2-135m-sft", schedule="10", steps=10, batch_size=8,
+                group_size=4,
+                lr=3e-6, warmup_steps=0, mini_batch_size=8, kl_coef=0.001, max_update_kl=0.01,
+                dynamic_sampling=True,
                 max_resample=1, max_new_tokens=128, max_context=8192, algo="grpo", temperature=1.0)
     assert {k: getattr(cfg, k) for k in plan} == plan
     ids = json.load(open(os.path.join(ROOT, cfg.tasks_file)))

@@ -1,5 +1,5 @@
-"""train.py under torchrun, on CPU with gloo: ranks play whole groups, the loss weights add up to the
-one-process loss, an FSDP2 update on two processes equals the one-process update on the same
+"""train.py under torchrun, on CPU with gloo: ranks play whole groups, the loss weights add up to
+the one-process loss, an FSDP2 update on two processes equals the one-process update on the same
 trajectories, and a run of two ranks writes one log and a checkpoint that one process resumes."""
 
 import json
@@ -32,7 +32,8 @@ def test_ranks_play_whole_groups_in_one_process_order():
         parts = [run_layer.rank_items(chosen, 4, 3, r, world) for r in range(world)]
         assert sum((p[0] for p in parts), []) == one[0] and sum((p[1] for p in parts), []) == one[1]
         groups = [set(p[1]) for p in parts]
-        assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])  # no group on two ranks
+        # no group on two ranks
+        assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])
     # fewer tasks than batch_size: the list repeats, each slot still its own group
     assert run_layer.rank_items([8, 6], 4, 2, 1, 2) == ([8, 8, 6, 6], [2, 2, 3, 3])
     with pytest.raises(AssertionError):
@@ -41,32 +42,37 @@ def test_ranks_play_whole_groups_in_one_process_order():
 
 def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for flags, needle in ((["--batch-size", "3"], "--batch-size 3 must be divisible by the number of processes (2)"),
-                          (["--batch-size", "4", "--mini-batch-size", "3"], "--mini-batch-size 3 must be divisible")):
+    for flags, needle in ((["--batch-size", "3"],
+                           "--batch-size 3 must be divisible by the number of processes (2)"),
+                          (["--batch-size", "4", "--mini-batch-size", "3"],
+                           "--mini-batch-size 3 must be divisible")):
         with pytest.raises(SystemExit):
             train.parse_args(["--env", "corridor", *flags])
         assert needle in capsys.readouterr().err
-    assert train.parse_args(["--env", "corridor", "--batch-size", "4", "--mini-batch-size", "2"]).batch_size == 4
+    assert train.parse_args(["--env", "corridor", "--batch-size", "4",
+                             "--mini-batch-size", "2"]).batch_size == 4
 
 
 def test_more_ranks_than_gpus_is_one_line(monkeypatch):
-    """torchrun --nproc-per-node 2 on a one-GPU node with --device auto/cuda: a line naming the fix, before
-    NCCL fails deep in init_process_group (it did on a real H100)."""
+    """torchrun --nproc-per-node 2 on a one-GPU node with --device auto/cuda: a line naming the fix,
+    before NCCL fails deep in init_process_group (it did on a real H100)."""
     from trainer.distributed import init_distributed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("RANK", "1")):
+    for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "1"),
+                 ("RANK", "1")):
         monkeypatch.setenv(k, v)
     for device in ("auto", "cuda"):
-        with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\): use --nproc-per-node 1 or "
+        with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\): "
+                                             r"use --nproc-per-node 1 or "
                                              r"less, or --device cpu"):
             init_distributed(device)
 
 
 @pytest.mark.parametrize("mode", algos.AGG_MODES)
 def test_micro_weights_add_up_to_the_global_loss(mode):
-    """Rows spread unevenly over 2 ranks and cut into micro-batches (one rank holding none): the sum over
-    ranks of the FSDP-averaged, weighted micro-batch losses is agg_loss over all rows."""
+    """Rows spread unevenly over 2 ranks and cut into micro-batches (one rank holding none): the sum
+    over ranks of the FSDP-averaged, weighted micro-batch losses is agg_loss over all rows."""
     g = torch.Generator().manual_seed(0)
     loss_mat, mask = torch.randn(9, 6, generator=g), (torch.rand(9, 6, generator=g) < 0.5).float()
     mask[4] = 0  # a row without sampled tokens counts in no denominator
@@ -78,14 +84,17 @@ def test_micro_weights_add_up_to_the_global_loss(mode):
             for micro in (r[:2], r[2:3], r[3:]):
                 if micro:
                     w = update.micro_weight(mask[micro], denominator, mode, world)
-                    total += w / world * float(algos.agg_loss(loss_mat[micro], mask[micro], mode))  # / world: FSDP
+                    # / world: FSDP
+                    total += w / world * float(algos.agg_loss(loss_mat[micro], mask[micro],
+                                                              mode))
         assert total == pytest.approx(float(algos.agg_loss(loss_mat, mask, mode)), rel=1e-5)
 
 
-# ---------------------------------------------------------------- an FSDP2 update == a one-process update
+# ---------------------------------------------------------- an FSDP2 update == a one-process update
 def fixed_trajectories(model, n: int = 8, seed: int = 0) -> list[Trajectory]:
-    """n multi-turn rows of random ids (groups of 2, uneven lengths), rewarded at random, with sampler
-    log-probs = the model's own plus noise (a sampler that differs a little from the trainer)."""
+    """n multi-turn rows of random ids (groups of 2, uneven lengths), rewarded at random, with
+    sampler log-probs = the model's own plus noise (a sampler that differs a little from the
+    trainer)."""
     rnd = random.Random(seed)
     trajs = []
     for i in range(n):
@@ -95,14 +104,15 @@ def fixed_trajectories(model, n: int = 8, seed: int = 0) -> list[Trajectory]:
             reply = [rnd.randrange(1, 50) for _ in range(rnd.randint(2, 5))]
             obs = [rnd.randrange(1, 50) for _ in range(3)]
             ids, mask = ids + reply + obs, mask + [1] * len(reply) + [0] * len(obs)
-        trajs.append(Trajectory("corridor", i // 2, i // 2, [], ids, mask, [0.0] * len(ids), turns=1, status="done",
-                                reward=float(rnd.random() < 0.5)))
+        trajs.append(Trajectory("corridor", i // 2, i // 2, [], ids, mask, [0.0] * len(ids),
+                                turns=1, status="done", reward=float(rnd.random() < 0.5)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for t in trajs:
             x = torch.tensor([t.token_ids])
             lp = torch.nn.functional.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
-            lp = lp.gather(-1, x[0, 1:, None])[:, 0] + 0.05 * torch.randn(len(t.token_ids) - 1, generator=g)
+            lp = lp.gather(-1, x[0, 1:, None])[:, 0] + 0.05 * torch.randn(len(t.token_ids) - 1,
+                                                                          generator=g)
             t.logprobs = [0.0] + [float(v) if m else 0.0 for v, m in zip(lp, t.loss_mask[1:])]
     return trajs
 
@@ -110,13 +120,17 @@ def fixed_trajectories(model, n: int = 8, seed: int = 0) -> list[Trajectory]:
 # (flags, how the 8 rows are split over 2 ranks, whether the result must equal the one-process one)
 CASES = [
     (["--algo", "grpo"], 4, True),
-    (["--algo", "grpo", "--loss-agg", "token_mean", "--micro-batch-tokens", "40", "--entropy-coef", "0.01",
-      "--kl-coef", "0.1", "--tis-cap", "1.5"], 4, True),  # several micro-batches, a different number per rank
-    (["--algo", "reinforce_pp", "--gamma", "0.9", "--loss-agg", "seq_mean_token_sum"], 4, True),  # global whitening
+    # several micro-batches, a different number per rank
+    (["--algo", "grpo", "--loss-agg", "token_mean", "--micro-batch-tokens", "40",
+      "--entropy-coef", "0.01", "--kl-coef", "0.1", "--tis-cap", "1.5"], 4, True),
+    # global whitening
+    (["--algo", "reinforce_pp", "--gamma", "0.9", "--loss-agg", "seq_mean_token_sum"], 4, True),
     (["--algo", "ppo", "--lam", "0.95", "--micro-batch-tokens", "60"], 4, True),  # a sharded critic
-    (["--algo", "rloo", "--micro-batch-tokens", "60"], 8, True),  # rank 1 holds no trajectory at all
+    # rank 1 holds no trajectory at all
+    (["--algo", "rloo", "--micro-batch-tokens", "60"], 8, True),
     (["--algo", "grpo", "--grad-checkpointing", "--micro-batch-tokens", "60"], 4, True),
-    (["--algo", "grpo", "--mini-batch-size", "2", "--ppo-epochs", "2"], 6, False),  # 3 steps on rank 0, 1 on rank 1
+    # 3 steps on rank 0, 1 on rank 1
+    (["--algo", "grpo", "--mini-batch-size", "2", "--ppo-epochs", "2"], 6, False),
 ]
 
 
@@ -137,7 +151,8 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
-    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
+    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
+                          optims=optims, pad=0,
                           device=torch.device("cpu"), engine_kind=cfg.engine,
                           update_gen=torch.Generator().manual_seed(cfg.seed))
     stats = train_update(run, trajs)
@@ -151,7 +166,8 @@ def run_update(flags, model_dir, trajs, sharded: bool):
 
 def _rank_main(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                                         world_size=world)
     trajs = torch.load(os.path.join(tmp, "trajs.pt"), weights_only=False)
     results = []
     for flags, split, _ in CASES:
@@ -159,19 +175,21 @@ def _rank_main(rank: int, world: int, tmp: str) -> None:
         stats, params, critic = run_update(flags, os.path.join(tmp, "model"), mine, sharded=True)
         every = [None] * world
         torch.distributed.all_gather_object(every, (params, critic))
-        assert all(torch.equal(p, params) for p, _ in every), f"ranks hold different weights after {flags}"
+        assert all(torch.equal(p, params) for p, _ in every), (
+            f"ranks hold different weights after {flags}")
         results.append((stats, params, critic))
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
-    torch.distributed.barrier()  # neither rank tears gloo down while the other still talks (an abort, seen in CI)
+    # neither rank tears gloo down while the other still talks (an abort, seen in CI)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
-    """The same fixed trajectories, split over two gloo ranks with FSDP2, give the one-process loss and
-    weights (the critic's too): all aggregation modes, micro-batches, global whitening, critic, reference KL, TIS, a rank
-    without trajectories, activation checkpointing. Both ranks end with identical weights, also when
-    their mini-batch counts differ."""
+    """The same fixed trajectories, split over two gloo ranks with FSDP2, give the one-process loss
+    and weights (the critic's too): all aggregation modes, micro-batches, global whitening, critic,
+    reference KL, TIS, a rank without trajectories, activation checkpointing. Both ranks end with
+    identical weights, also when their mini-batch counts differ."""
     from models.tiny import build_model
 
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
@@ -185,11 +203,16 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
         assert (params - before).abs().max() > 1e-4, flags  # the update did something
         if not comparable:
             continue
-        one_stats, one_params, one_critic = run_update(flags, tmp_path / "model", trajs, sharded=False)
-        assert torch.allclose(params, one_params, atol=2e-5, rtol=1e-4), (flags, (params - one_params).abs().max())
-        if critic is not None:  # the critic's loss is weighted across micro-batches and ranks like the policy's
-            assert torch.allclose(critic, one_critic, atol=2e-5, rtol=1e-4), (flags, (critic - one_critic).abs().max())
-        for k in ("loss", "entropy", "kl", "grad_norm", "logprob_diff", "logprob_kl", "train_tokens") + \
+        one_stats, one_params, one_critic = run_update(flags, tmp_path / "model", trajs,
+                                                       sharded=False)
+        assert torch.allclose(params, one_params, atol=2e-5, rtol=1e-4), (
+            flags, (params - one_params).abs().max())
+        # the critic's loss is weighted across micro-batches and ranks like the policy's
+        if critic is not None:
+            assert torch.allclose(critic, one_critic, atol=2e-5, rtol=1e-4), (
+                flags, (critic - one_critic).abs().max())
+        for k in ("loss", "entropy", "kl", "grad_norm", "logprob_diff", "logprob_kl",
+                  "train_tokens") + \
                 (("value_loss",) if "ppo" in flags else ()):
             assert stats[k] == pytest.approx(one_stats[k], rel=1e-4, abs=1e-6), (flags, k)
 
@@ -204,29 +227,39 @@ def cache_dir(tmp_path_factory):
 
 def test_torchrun_two_ranks_then_one_process_resumes(tmp_path, cache_dir):
     out = str(tmp_path / "run")
-    common = ["train.py", "--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
-              "--threads", "1", "--schedule", "2,3", "--schedule-every", "1", "--algo", "ppo", "--kl-coef", "0.01",
+    common = ["train.py", "--env", "corridor", "--batch-size", "2", "--group-size", "2",
+              "--max-new-tokens", "4",
+              "--threads", "1", "--schedule", "2,3", "--schedule-every", "1", "--algo", "ppo",
+              "--kl-coef", "0.01",
               "--eval-every", "2", "--eval-tasks", "4", "--out", out, "--cache-dir", cache_dir,
-              "--device", "cpu"]  # gloo ranks also where a GPU is (auto would put both ranks on CUDA)
+              # gloo ranks also where a GPU is (auto would put both ranks on CUDA)
+              "--device", "cpu"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    r = subprocess.run([*torchrun, *common, "--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*torchrun, *common, "--steps", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [x["step"] for x in m] == [1, 2]
     assert all(x["time_sync_s"] == 0.0 and "logprob_kl" in x and "value_loss" in x for x in m)
-    for step in (1, 2):  # rank 0 writes every rank's trajectories, in the order one process plays them
-        rows = [json.loads(x) for x in open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl"))]
-        assert [x["group"] for x in rows] == [0, 0, 1, 1] and rows[0]["item_id"] == rows[1]["item_id"]
+    # rank 0 writes every rank's trajectories, in the order one process plays them
+    for step in (1, 2):
+        rows = [json.loads(x)
+                for x in open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl"))]
+        assert ([x["group"] for x in rows] == [0, 0, 1, 1]
+                and rows[0]["item_id"] == rows[1]["item_id"])
         assert sum(x["status"] in ("done", "max_turns") for x in rows) == 4
     assert not [f for f in os.listdir(os.path.join(out, "rollouts")) if "rank" in f]
     evals = [json.loads(x) for x in open(os.path.join(out, "eval.jsonl"))]
-    assert [e["step"] for e in evals] == [0, 2] and all(e["tasks"] == 4 for e in evals)  # both ranks' halves
+    # both ranks' halves
+    assert [e["step"] for e in evals] == [0, 2] and all(e["tasks"] == 4 for e in evals)
     ckpt = os.path.join(out, "checkpoint")
-    assert json.load(open(os.path.join(ckpt, "model", "config.json")))["architectures"] == ["LlamaForCausalLM"]
-    assert len(torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["rank_rngs"]) == 2
+    assert (json.load(open(os.path.join(ckpt, "model", "config.json")))["architectures"]
+            == ["LlamaForCausalLM"])
+    assert len(torch.load(os.path.join(ckpt, "trainer_state.pt"),
+                          weights_only=False)["rank_rngs"]) == 2
 
-    r = subprocess.run([sys.executable, *common, "--steps", "3", "--resume"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, *common, "--steps", "3", "--resume"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming 2 cpu rank(s) as 1 cpu rank(s)" in r.stdout
     m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]

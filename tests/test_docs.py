@@ -14,7 +14,8 @@ MAX_DOCS_BYTES, MAX_RESULTS_BYTES, MAX_PICTURES = 60_000, 15_000, 8
 
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1", re.S | re.M)  # fenced code blocks
 CODE = re.compile(r"(`+).+?\1", re.S)  # inline code spans
-INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*(<[^>]*>|[^)\s]+)")  # [text](target), ![alt](target)
+# [text](target), ![alt](target)
+INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*(<[^>]*>|[^)\s]+)")
 REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)", re.M)  # [label]: target
 HTML = re.compile(r"""<(?:img|a)\b[^>]*?\b(?:src|href)\s*=\s*["']([^"']+)["']""", re.I)
 
@@ -41,7 +42,8 @@ def test_docs_is_a_guide_not_a_notebook():
     total = sum(os.path.getsize(p) for p in pages)
     assert total <= MAX_DOCS_BYTES, f"docs/*.md hold {total:,} bytes, over {MAX_DOCS_BYTES:,}"
     results = os.path.getsize(os.path.join(ROOT, "docs", "results.md"))
-    assert results <= MAX_RESULTS_BYTES, f"docs/results.md is {results:,} bytes: one table per result"
+    assert results <= MAX_RESULTS_BYTES, (
+        f"docs/results.md is {results:,} bytes: one table per result")
     pictures = glob.glob(os.path.join(ROOT, "docs", "*.png"))
     assert len(pictures) <= MAX_PICTURES, f"{len(pictures)} pictures in docs/"
     used = "".join(open(p, encoding="utf-8").read() for p in doc_files())
@@ -52,7 +54,8 @@ def test_docs_is_a_guide_not_a_notebook():
 def test_the_readme_is_at_most_15_kb():
     size = os.path.getsize(README)
     assert size <= MAX_README_BYTES, (
-        f"README.md is {size:,} bytes, over {MAX_README_BYTES:,}: move detail into a docs/ page and link it")
+        f"README.md is {size:,} bytes, over {MAX_README_BYTES:,}: move detail into a docs/ page "
+        f"and link it")
 
 
 def test_every_relative_link_and_image_resolves():
@@ -68,7 +71,9 @@ def test_every_relative_link_and_image_resolves():
 
 
 def test_the_link_finder_sees_links_and_skips_urls_anchors_and_code():
-    text = ("See [the page](docs/a.md#part) and ![a plot](b.png \"title\"), [web](https://x.org/c.md), "
-            "[here](#anchor), `[not](code.md)` and <img src=\"d.png\">.\n\n```\n[nor](fenced.md)\n```\n"
+    text = ("See [the page](docs/a.md#part) and ![a plot](b.png \"title\"), "
+            "[web](https://x.org/c.md), "
+            "[here](#anchor), `[not](code.md)` and <img src=\"d.png\">.\n\n"
+            "```\n[nor](fenced.md)\n```\n"
             "[ref]: e.md\n")
     assert relative_targets(text) == ["docs/a.md", "b.png", "e.md", "d.png"]

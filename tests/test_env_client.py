@@ -1,7 +1,7 @@
 """env_client.py: EnvClient and EnvPool against our server and against stand-ins that
 answer the way AgentGym's own servers do (env_idx ids, bare-int create, score, terminated/truncated,
-HTTP-200 error bodies, uvicorn's 5 s keep-alive), a server that trickles its answer, and step answers
-no reward may come from (NaN, a string for done)."""
+HTTP-200 error bodies, uvicorn's 5 s keep-alive), a server that trickles its answer, and step
+answers no reward may come from (NaN, a string for done)."""
 
 import json
 import math
@@ -56,7 +56,8 @@ def test_client_errors_are_distinct(toy_server, make_toy_server):
 
 
 def test_retries_only_where_safe(toy_server, monkeypatch):
-    """A dropped connection is retried for reset (repeating it changes nothing) but never for step."""
+    """A dropped connection is retried for reset (repeating it changes nothing) but never for
+    step."""
     c = EnvClient(Transport(toy_server, retries=2))
     c.reset(19)
     real_urlopen, calls = c.http.pool.urlopen, {"n": 0}
@@ -113,7 +114,8 @@ def test_pool_batch_and_single_agree(toy_server):
             s1 = pool.step(["add 3"] * 10)
             s2 = pool.step([None if s.done else "add 100" for s in s1])
             results[batch] = (first, [(s.observation, s.reward, s.done) for s in s1],
-                              [None if s is None else (s.observation, s.reward, s.done) for s in s2])
+                              [None if s is None else (s.observation, s.reward, s.done)
+                               for s in s2])
     assert results[True] == results[False]
     assert results[True][1][0] == ("Total: 3", 1.0, True)
     assert results[True][2][0] is None and results[True][2][1] == ("Total: 103", 0.0, True)
@@ -135,7 +137,8 @@ def test_pool_autodetects_batch_and_isolates_errors(toy_server):
 def agentgym_like(dialect: str) -> Flask:
     """A stand-in answering as AgentGym's servers do for `dialect`: errors as HTTP 200 bodies,
     a plain-text health answer, and the dialect's id key and step fields."""
-    app, games, key = Flask("agentgym_like"), {}, ("env_idx" if dialect in ("webarena", "searchqa") else "id")
+    app, games, key = (Flask("agentgym_like"), {},
+                       ("env_idx" if dialect in ("webarena", "searchqa") else "id"))
 
     @app.get("/")
     def hello():
@@ -144,7 +147,8 @@ def agentgym_like(dialect: str) -> Flask:
     @app.post("/create")
     def create():
         i = len(games)
-        if dialect == "searchqa":  # {"id": <task>} is required (FastAPI's 422 without it); a bare id back
+        # {"id": <task>} is required (FastAPI's 422 without it); a bare id back
+        if dialect == "searchqa":
             b = request.get_json(silent=True) or {}
             if not isinstance(b.get("id"), int):
                 return jsonify({"detail": "field required: id"}), 422
@@ -177,7 +181,8 @@ def agentgym_like(dialect: str) -> Flask:
         g["n"] += 1
         obs = f"{b['action']} #{g['n']}"
         if dialect == "webarena":
-            return jsonify({"observation": obs, "reward": 1.0, "terminated": g["n"] >= 2, "truncated": False})
+            return jsonify({"observation": obs, "reward": 1.0, "terminated": g["n"] >= 2,
+                            "truncated": False})
         if dialect == "babyai":
             return jsonify({"observation": obs, "reward": 0.0, "score": 0.75, "done": True})
         return jsonify({"observation": obs, "reward": 0.0, "done": False})
@@ -228,10 +233,12 @@ def test_drives_agentgym_babyai_score(agentgym_server):
 def test_drives_agentgym_webarena_and_searchqa_dialects(agentgym_server):
     w = EnvClient(agentgym_server("webarena"))
     assert w.id_key == "env_idx" and w.reset(12) == "task 12"  # observation fetched after reset
-    assert w.step("click [1]").done is False and w.step("stop [x]").done is True  # from `terminated`
+    # from `terminated`
+    assert w.step("click [1]").done is False and w.step("stop [x]").done is True
     q = EnvClient(agentgym_server("searchqa"))
     assert q.id_key == "env_idx" and q.observation() == "task 0"  # created on task `id` 0
-    assert q.reset(3) == "task 3" and q.step("<search>x</search>").observation == "<search>x</search> #1"
+    assert (q.reset(3) == "task 3"
+            and q.step("<search>x</search>").observation == "<search>x</search> #1")
     q.close()
 
 
@@ -242,11 +249,11 @@ def test_pool_falls_back_to_single_requests(agentgym_server):
         assert [s.observation for s in pool.step(["a", "b", None])[:2]] == ["a #1", "b #1"]
 
 
-# ---------------------------------------------------------------- uvicorn: idle connections it closes
+# -------------------------------------------------------------- uvicorn: idle connections it closes
 def counting_asgi_app():
     """Just enough of the protocol for a pool, as a bare ASGI app (AgentGym's servers are FastAPI on
-    uvicorn): a plain-text health answer (so no /batch), /create, /reset, /step; `app.steps` counts the
-    /step calls that reached it."""
+    uvicorn): a plain-text health answer (so no /batch), /create, /reset, /step; `app.steps` counts
+    the /step calls that reached it."""
 
     async def app(scope, receive, send):
         body, more = b"", True
@@ -275,7 +282,8 @@ def counting_asgi_app():
 @pytest.fixture
 def uvicorn_server():
     """A factory: start counting_asgi_app() on a real uvicorn in a thread; returns (url, app)."""
-    uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -r requirements-test.txt)")
+    uvicorn = pytest.importorskip(
+        "uvicorn", reason="uvicorn is not installed (pip install -r requirements-test.txt)")
     running = []
 
     def start(**config):
@@ -298,8 +306,9 @@ def uvicorn_server():
 
 
 def test_steps_after_idle_on_uvicorn_default_keep_alive(uvicorn_server):
-    """uvicorn closes a connection idle for 5 s (its timeout_keep_alive default); a step must not go
-    out on one it closed, and is never sent twice: 4 steps, 4 answers, 4 steps seen by the server."""
+    """uvicorn closes a connection idle for 5 s (its timeout_keep_alive default); a step must not
+    go out on one it closed, and is never sent twice: 4 steps, 4 answers, 4 steps seen by the
+    server."""
     url, app = uvicorn_server()
     with EnvPool(url, 4) as pool:
         assert pool.use_batch is False
@@ -326,10 +335,11 @@ def test_a_connection_the_server_closed_is_never_reused(uvicorn_server, monkeypa
 # ---------------------------------------------------------------- a server that trickles its answer
 @pytest.fixture
 def trickler():
-    """A raw HTTP server on loopback that reads each request, then sends an answer one byte every 0.3 s
-    that never ends (a header line without end). Connections after the first `trickled` get a prompt
-    answer. Each trickle stops when the client hangs up, or after 10 s, so that a client without a total
-    deadline fails the test rather than hanging it. Yields (url, start(trickled), connections)."""
+    """A raw HTTP server on loopback that reads each request, then sends an answer one byte every
+    0.3 s that never ends (a header line without end). Connections after the first `trickled` get
+    a prompt answer. Each trickle stops when the client hangs up, or after 10 s, so that a client
+    without a total deadline fails the test rather than hanging it. Yields (url, start(trickled),
+    connections)."""
     listener = socket.create_server(("127.0.0.1", 0))
     stopping, seen, trickled = threading.Event(), [], [1]
 
@@ -344,7 +354,8 @@ def trickler():
             while len(body) < length:
                 body += conn.recv(65536)
             if n >= trickled[0]:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n"
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 12\r\n\r\n"
                              b'{"ok": true}')
                 return
             answer, t0 = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"z" * 100_000, time.monotonic()
@@ -377,9 +388,9 @@ def trickler():
 
 
 def test_a_trickling_answer_is_cut_off_at_the_deadline(trickler):
-    """The timeout bounds the whole call, not each read: a byte every 0.3 s never lets a 1 s per-read
-    timeout fire, yet the call ends as a timeout after about 1 s, and the connection is dropped (the
-    next call opens another, which answers)."""
+    """The timeout bounds the whole call, not each read: a byte every 0.3 s never lets a 1 s
+    per-read timeout fire, yet the call ends as a timeout after about 1 s, and the connection is
+    dropped (the next call opens another, which answers)."""
     url, _, seen = trickler
     t = Transport(url, timeout=1.0, retries=0)
     t0 = time.monotonic()
@@ -396,7 +407,8 @@ def test_each_retry_of_a_read_gets_its_own_deadline(trickler):
     first attempt's deadline shared, the retry would have no time left)."""
     url, _, seen = trickler
     t0 = time.monotonic()
-    assert Transport(url, timeout=1.0, retries=1).request("GET", "/observation?id=0", retry=True) == {"ok": True}
+    assert (Transport(url, timeout=1.0, retries=1).request("GET", "/observation?id=0", retry=True)
+            == {"ok": True})
     assert len(seen) == 2 and time.monotonic() - t0 < 2.5
 
 
@@ -407,7 +419,8 @@ def test_each_retry_of_a_read_gets_its_own_deadline(trickler):
     ({"observation": "o", "reward": -math.inf, "done": True}, "reward"),
     ({"observation": "o", "reward": "1.0", "done": True}, "reward"),
     ({"observation": "o", "reward": True, "done": True}, "reward"),
-    ({"observation": "o", "reward": 10 ** 400, "done": True}, "reward"),  # json.loads reads it; float() cannot
+    # json.loads reads it; float() cannot
+    ({"observation": "o", "reward": 10 ** 400, "done": True}, "reward"),
     ({"observation": "o", "reward": 0.0, "score": math.nan, "done": True}, "score"),
     ({"observation": "o", "reward": math.nan, "score": 0.5, "done": True}, "reward"),
     ({"observation": "o", "reward": 1.0, "done": "false"}, "done"),
@@ -418,22 +431,26 @@ def test_each_retry_of_a_read_gets_its_own_deadline(trickler):
     ({"observation": "o", "reward": 1.0, "terminated": False, "truncated": "no"}, "truncated"),
 ])
 def test_step_values_no_reward_may_come_from(raw, field):
-    """NaN and ±Infinity (which json.loads accepts), strings, bools as rewards, and a done that is not a
-    bool (bool("false") is True) are protocol errors naming the field, never a reward."""
+    """NaN and ±Infinity (which json.loads accepts), strings, bools as rewards, and a done that is
+    not a bool (bool("false") is True) are protocol errors naming the field, never a reward."""
     with pytest.raises(EnvError) as e:
         _step_from(raw)
     assert e.value.kind == "protocol" and f"{field}=" in e.value.message, e.value
 
 
 def test_valid_step_answers_still_parse():
-    s = _step_from(json.loads('{"observation": "o", "reward": 1, "done": 1}'))  # ints for done: some servers
+    # ints for done: some servers
+    s = _step_from(json.loads('{"observation": "o", "reward": 1, "done": 1}'))
     assert (s.reward, s.done) == (1.0, True) and isinstance(s.reward, float)
     assert _step_from({"observation": "o", "reward": 0.5, "done": 0}).done is False
     babyai = _step_from({"observation": "o", "reward": 0.0, "score": 0.75, "done": True})
     sciworld = _step_from({"observation": "o", "reward": 3, "score": 35, "done": False, "info": {}})
-    assert (babyai.reward, sciworld.reward, sciworld.done) == (0.75, 35.0, False)  # the server's scale
-    assert (train_reward("babyai", babyai.reward), train_reward("sciworld", sciworld.reward)) == (0.75, 0.35)
-    webarena = _step_from({"observation": "o", "reward": 1.0, "terminated": True, "truncated": False})
+    # the server's scale
+    assert (babyai.reward, sciworld.reward, sciworld.done) == (0.75, 35.0, False)
+    assert (train_reward("babyai", babyai.reward),
+            train_reward("sciworld", sciworld.reward)) == (0.75, 0.35)
+    webarena = _step_from({"observation": "o", "reward": 1.0, "terminated": True,
+                           "truncated": False})
     assert (webarena.reward, webarena.done) == (1.0, True)
     cut = _step_from({"observation": "o", "reward": 1.0, "terminated": 0, "truncated": 1})
     assert (cut.reward, cut.done) == (0.0, True)
@@ -442,8 +459,8 @@ def test_valid_step_answers_still_parse():
 
 @pytest.mark.parametrize("batch", [False, True])
 def test_pool_turns_a_nan_reward_into_that_instances_error(batch):
-    """A server answering NaN for instance id 1 (as raw JSON: json.loads reads NaN) costs that instance
-    only, by single requests and by /batch alike."""
+    """A server answering NaN for instance id 1 (as raw JSON: json.loads reads NaN) costs that
+    instance only, by single requests and by /batch alike."""
     app, made = Flask("nan_reward"), []
 
     def step_answer(i):
@@ -478,8 +495,10 @@ def test_pool_turns_a_nan_reward_into_that_instances_error(batch):
             assert pool.use_batch is batch
             pool.reset([0, 1, 2])
             out = pool.step(["go"] * 3)
-            bad = [c.id for c in pool.clients].index(1)  # instances are created in parallel, in any order
-        assert isinstance(out[bad], EnvError) and out[bad].kind == "protocol" and "reward=nan" in out[bad].message
+            # instances are created in parallel, in any order
+            bad = [c.id for c in pool.clients].index(1)
+        assert (isinstance(out[bad], EnvError) and out[bad].kind == "protocol"
+                and "reward=nan" in out[bad].message)
         assert [s.reward for i, s in enumerate(out) if i != bad] == [0.5, 0.5]
     finally:
         stop()

@@ -1,6 +1,6 @@
-"""Contract tests of the real environments served by `python -m env_server NAME`, over real HTTP, in a
-separate process: every endpoint, the bad-input cases, determinism across processes, experts solving
-tasks through the client, and 64 parallel clients with zero errors."""
+"""Contract tests of the real environments served by `python -m env_server NAME`, over real HTTP, in
+a separate process: every endpoint, the bad-input cases, determinism across processes, experts
+solving tasks through the client, and 64 parallel clients with zero errors."""
 
 import os
 import subprocess
@@ -42,7 +42,8 @@ def test_every_endpoint(server):
     status, d = raw(url, "GET", f"/detail?id={iid}")
     assert status == 200 and d["task"] == task and d["done"] is False
     status, s = raw(url, "POST", "/step", {"id": iid, "action": "dance wildly"})
-    assert status == 200 and isinstance(s["observation"], str)  # a bad action is a game event, not an error
+    # a bad action is a game event, not an error
+    assert status == 200 and isinstance(s["observation"], str)
     assert s["done"] is False and s["reward"] == 0
     status, a = raw(url, "GET", f"/expert_action?id={iid}")
     assert status == 200 and isinstance(a, str) and a
@@ -67,7 +68,8 @@ def test_bad_input(server):
     ]
     for method, path, body, status in cases:
         got, out = raw(url, method, path, body)
-        assert got == status and "error" in out, (path, body if not isinstance(body, dict) else list(body), out)
+        assert got == status and "error" in out, (
+            path, body if not isinstance(body, dict) else list(body), out)
     raw(url, "POST", "/close", {"id": iid})
     got, out = raw(url, "POST", "/reset", {"id": iid, "data_idx": 0})
     assert got == 404 and "closed" in out["error"]
@@ -76,7 +78,8 @@ def test_bad_input(server):
 
 def test_step_after_done_is_409(server):
     c = EnvClient(server.url)
-    value, _ = play_expert(c, raw(server.url, "GET", "/tasks")[1]["splits"]["test"][0], TURN_BUDGET[server.name])
+    value, _ = play_expert(c, raw(server.url, "GET", "/tasks")[1]["splits"]["test"][0],
+                           TURN_BUDGET[server.name])
     assert value > 0
     with pytest.raises(EnvError) as e:
         c.step("inventory")
@@ -92,7 +95,8 @@ def test_same_tasks_in_every_process(name):
         with ServerProcess(name, env={**os.environ, "PYTHONHASHSEED": seed}) as s:
             n = raw(s.url, "GET", "/")[1]["num_tasks"]
             c = EnvClient(s.url)
-            snapshots.append([(c.reset(i), c.detail(), c.expert_action()) for i in (0, 1, 7, n // 2, n - 1)])
+            snapshots.append([(c.reset(i), c.detail(), c.expert_action())
+                              for i in (0, 1, 7, n // 2, n - 1)])
     assert snapshots[0] == snapshots[1]
 
 
@@ -133,17 +137,20 @@ def test_pool_batch_plays_the_same_game_as_single_requests(server):
         with EnvPool(server.url, len(tasks), use_batch=batch) as pool:
             first = pool.reset(tasks)
             actions = [c.expert_action() for c in pool.clients]
-            transcripts.append((first, [(s.observation, s.reward, s.done) for s in pool.step(actions)]))
+            transcripts.append((first, [(s.observation, s.reward, s.done)
+                                        for s in pool.step(actions)]))
     assert transcripts[0] == transcripts[1]
 
 
 def test_cli_errors_name_the_flag():
     run = [sys.executable, "-m", "env_server"]
-    out = subprocess.run(run + ["textcraft", "--threads", "0"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(run + ["textcraft", "--threads", "0"], cwd=ROOT, capture_output=True,
+                         text=True)
     assert out.returncode == 2 and "--threads must be at least 1" in out.stderr
     out = subprocess.run(run + ["nosuchenv"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'nosuchenv'" in out.stderr
-    out = subprocess.run(run + ["textcraft", "--recipes", "/no/such/dir"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(run + ["textcraft", "--recipes", "/no/such/dir"], cwd=ROOT,
+                         capture_output=True, text=True)
     assert out.returncode == 2 and "/no/such/dir" in out.stderr
 
 
@@ -158,7 +165,8 @@ def test_corridor_test_games_are_not_training_games():
         return env.goal
 
     assert not {game(i) for i in splits["test"]} & {game(i) for i in splits["train"]}
-    assert {abs(game(i)) for i in splits["test"]} == {3} and {abs(game(i)) for i in splits["train"]} == {1, 2, 4}
+    assert ({abs(game(i)) for i in splits["test"]} == {3}
+            and {abs(game(i)) for i in splits["train"]} == {1, 2, 4})
 
 
 def test_corridor_says_one_step_not_one_steps():

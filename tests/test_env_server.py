@@ -1,5 +1,6 @@
-"""The generic server (env_server/app.py) on a toy game: protocol shapes, every bad-input case, locking,
-the instance cap, the reaper, batch calls, and that a bug in a game is a 500 that kills nothing."""
+"""The generic server (env_server/app.py) on a toy game: protocol shapes, every bad-input case,
+locking, the instance cap, the reaper, batch calls, and that a bug in a game is a 500 that kills
+nothing."""
 
 import threading
 import time
@@ -23,14 +24,17 @@ def test_agentgym_shapes_full_episode(toy_server):
     status, c = raw(toy_server, "POST", "/create", {})
     assert status == 200 and set(c) >= {"id", "observation", "reward", "done"} and c["id"] == 0
     status, r = raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 2})
-    assert status == 200 and r == {"id": 0, "observation": "Reach 5.", "reward": 0, "score": 0, "done": False}
+    assert status == 200 and r == {"id": 0, "observation": "Reach 5.", "reward": 0, "score": 0,
+                                   "done": False}
     assert raw(toy_server, "GET", "/observation?id=0") == (200, "Total: 0")
     assert raw(toy_server, "GET", "/available_actions?id=0") == (200, ["add N"])
     assert raw(toy_server, "GET", "/expert_action?id=0") == (200, "add 5")
     status, s = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 2"})
-    assert status == 200 and s["observation"] == "Total: 2" and s["done"] is False and s["reward"] == 0
+    assert (status == 200 and s["observation"] == "Total: 2" and s["done"] is False
+            and s["reward"] == 0)
     status, s = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 3"})
-    assert s["done"] is True and s["reward"] == 1.0 and s["score"] == 1.0 and s["info"] == {"turns": 2}
+    assert (s["done"] is True and s["reward"] == 1.0 and s["score"] == 1.0
+            and s["info"] == {"turns": 2})
     status, d = raw(toy_server, "GET", "/detail?id=0")
     assert d == {"target": 5, "total": 5, "task": 2, "done": True}
     assert raw(toy_server, "POST", "/close", {"id": 0}) == (200, True)
@@ -57,28 +61,35 @@ class BareCounterEnv(CounterEnv):
 def test_bare_answers_speak_agentgym_searchqa_dialect():
     url, stop = serve_in_thread(BareCounterEnv, first_id=0)
     try:
-        assert raw(url, "POST", "/create", {"id": 3}) == (200, 0)  # a bare id; the instance is on task 3
+        # a bare id; the instance is on task 3
+        assert raw(url, "POST", "/create", {"id": 3}) == (200, 0)
         assert raw(url, "GET", "/observation?env_idx=0") == (200, "Total: 0")
         assert raw(url, "GET", "/detail?env_idx=0")[1]["task"] == 3
         assert raw(url, "POST", "/create", None, {}) == (200, 1)  # no body: a bare id, no task yet
-        assert raw(url, "POST", "/reset", {"env_idx": 1, "id": 2}) == (200, "Reach 5.")  # the bare observation
+        # the bare observation
+        assert raw(url, "POST", "/reset", {"env_idx": 1, "id": 2}) == (200, "Reach 5.")
         status, s = raw(url, "POST", "/step", {"env_idx": 1, "action": "add 5"})
-        assert status == 200 and s["done"] is True and set(s) >= {"observation", "reward", "done", "info"}
+        assert (status == 200 and s["done"] is True
+                and set(s) >= {"observation", "reward", "done", "info"})
         assert raw(url, "POST", "/close", {"env_idx": 1}) == (200, True)
-        # the project's own shapes on the same server: a create without `id`, a reset by `id`, /batch
+        # the project's own shapes on the same server: a create without `id`, a reset by `id`,
+        # /batch
         status, c = raw(url, "POST", "/create", {"request_key": "k"})
         assert status == 200 and c["id"] == 2 and c["observation"] == ""
         status, r = raw(url, "POST", "/reset", {"id": 2, "data_idx": 1})
         assert status == 200 and r["observation"] == "Reach 4."
         ops = [{"op": "create", "id": 4}, {"op": "reset", "env_idx": 2, "id": 0}]
         status, out = raw(url, "POST", "/batch", {"ops": ops})
-        assert status == 200 and out["results"][0]["observation"] == "Reach 7." and out["results"][1]["id"] == 2
+        assert (status == 200 and out["results"][0]["observation"] == "Reach 7."
+                and out["results"][1]["id"] == 2)
         # mistakes are 4xx JSON errors in this dialect too
         for path, body, code in [("/create", {"id": "0"}, 400), ("/create", {"id": 20}, 400),
                                  ("/create", {"id": True}, 400), ("/reset", {"env_idx": 2}, 400),
-                                 ("/reset", {"env_idx": 2, "id": -1}, 400), ("/reset", {"env_idx": "2", "id": 0}, 400),
-                                 ("/reset", {"env_idx": 99, "id": 0}, 404), ("/step", {"env_idx": 2}, 400),
-                                 ("/close", {"env_idx": None}, 400), ("/close", {"env_idx": 1}, 404)]:
+                                 ("/reset", {"env_idx": 2, "id": -1}, 400),
+                                 ("/reset", {"env_idx": "2", "id": 0}, 400),
+                                 ("/reset", {"env_idx": 99, "id": 0}, 404),
+                                 ("/step", {"env_idx": 2}, 400), ("/close", {"env_idx": None}, 400),
+                                 ("/close", {"env_idx": 1}, 404)]:
             status, e = raw(url, "POST", path, body)
             assert status == code and "error" in e, (path, body, status, e)
     finally:
@@ -123,7 +134,8 @@ def test_bad_input_is_a_json_4xx(toy_server, method, path, body, status, needle)
 
 
 def test_create_with_a_request_key_is_idempotent(toy_server):
-    """A client that retries a create whose answer it lost sends the same key: one instance, not two."""
+    """A client that retries a create whose answer it lost sends the same key: one instance, not
+    two."""
     def create(body):
         status, c = raw(toy_server, "POST", "/create", body)
         assert status == 200, c
@@ -158,7 +170,8 @@ def test_a_key_retried_while_its_create_is_running_waits_for_it():
     url, stop = serve_in_thread(SlowToBuild, first_id=0)
     try:
         ids = []
-        threads = [threading.Thread(target=lambda: ids.append(raw(url, "POST", "/create", {"request_key": "k"})))
+        threads = [threading.Thread(target=lambda: ids.append(raw(url, "POST", "/create",
+                                                                  {"request_key": "k"})))
                    for _ in range(3)]
         for t in threads:
             t.start()
@@ -180,10 +193,11 @@ def test_episode_state_errors(toy_server):
     raw(toy_server, "POST", "/step", {"id": 0, "action": "add 3"})
     status, e = raw(toy_server, "POST", "/step", {"id": 0, "action": "add 1"})
     assert status == 409 and "episode of instance 0 is over" in e["error"]
-    assert raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 0})[0] == 200  # a reset revives it
+    # a reset revives it
+    assert raw(toy_server, "POST", "/reset", {"id": 0, "data_idx": 0})[0] == 200
     assert raw(toy_server, "POST", "/close", {"id": 0})[0] == 200
-    for method, path, body in [("POST", "/step", {"id": 0, "action": "add 1"}), ("POST", "/close", {"id": 0}),
-                               ("GET", "/observation?id=0", None)]:
+    for method, path, body in [("POST", "/step", {"id": 0, "action": "add 1"}),
+                               ("POST", "/close", {"id": 0}), ("GET", "/observation?id=0", None)]:
         status, e = raw(toy_server, method, path, body)
         assert status == 404 and "instance 0 is closed" in e["error"]
 
@@ -210,7 +224,8 @@ def test_instance_cap_is_a_clear_503(make_toy_server):
     for _ in range(3):
         assert raw(url, "POST", "/create", {})[0] == 200
     status, e = raw(url, "POST", "/create", {})
-    assert status == 503 and "server full: 3 live instances" in e["error"] and "--max-instances" in e["error"]
+    assert (status == 503 and "server full: 3 live instances" in e["error"]
+            and "--max-instances" in e["error"])
     raw(url, "POST", "/close", {"id": 1})
     status, c = raw(url, "POST", "/create", {})
     assert status == 200 and c["id"] == 3  # ids are never reused
@@ -251,12 +266,14 @@ def test_batch_mixes_ops_and_isolates_failures(toy_server):
     status, out = raw(toy_server, "POST", "/batch", {"ops": [
         {"op": "create", "data_idx": 0}, {"op": "create"}, {"op": "reset", "id": 1, "data_idx": 1},
         {"op": "step", "id": 0, "action": "add 3"}, {"op": "step", "id": 7, "action": "add 1"},
-        {"op": "step", "id": 0, "action": "add 1"}, {"op": "explode"}, 5, {"op": "step", "id": 1, "action": "crash"},
+        {"op": "step", "id": 0, "action": "add 1"}, {"op": "explode"}, 5,
+        {"op": "step", "id": 1, "action": "crash"},
         {"op": "close", "id": 1},
     ]})
     assert status == 200
     r = out["results"]
-    assert r[0]["observation"] == "Reach 3." and r[1]["id"] == 1 and r[2]["observation"] == "Reach 4."
+    assert (r[0]["observation"] == "Reach 3." and r[1]["id"] == 1
+            and r[2]["observation"] == "Reach 4.")
     assert r[3]["done"] is True and r[3]["reward"] == 1.0
     assert r[4]["status"] == 404 and r[4]["error"].startswith("unknown instance id 7")
     assert r[5]["status"] == 409

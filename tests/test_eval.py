@@ -1,5 +1,6 @@
-"""eval.py: Avg@n / Pass@n against hand counts, a checkpoint evaluated end to end as a subprocess, and the
-OpenAI-compatible endpoint path against a fake chat server (right answers, and HTTP 500 counted as errors)."""
+"""eval.py: Avg@n / Pass@n against hand counts, a checkpoint evaluated end to end as a subprocess,
+and the OpenAI-compatible endpoint path against a fake chat server (right answers, and HTTP 500
+counted as errors)."""
 
 import json
 import os
@@ -29,12 +30,14 @@ def test_score_table_against_hand_count():
     assert t["overall"]["pass@2"] == pytest.approx(2 / 3)
     assert t["by_category"]["a"]["avg@2"] == pytest.approx(0.25)
     assert t["by_category"]["a"]["pass@2"] == pytest.approx(0.5)
-    assert t["by_category"]["b"] == {"tasks": 1, "samples": 2, "avg@2": pytest.approx(0.75), "pass@2": 1.0}
+    assert t["by_category"]["b"] == {"tasks": 1, "samples": 2, "avg@2": pytest.approx(0.75),
+                                     "pass@2": 1.0}
 
 
 def test_categories_come_from_the_env():
     cats = ev.categories_for("corridor", [48, 50, 52, 54])
-    assert cats == {48: "distance_3", 50: "distance_3", 52: "distance_3", 54: "distance_3"}  # test games only
+    assert cats == {48: "distance_3", 50: "distance_3", 52: "distance_3",
+                    54: "distance_3"}  # test games only
     assert ev.categories_for("webarena", [0, 1]) == {0: "all", 1: "all"}
 
 
@@ -46,13 +49,15 @@ def test_greedy_forces_n_to_one(capsys):
 
 def test_checkpoint_eval_matches_hand_count(tmp_path):
     run, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-    cmd = [sys.executable, "train.py", "--env", "corridor", "--steps", "1", "--batch-size", "2", "--group-size", "2",
-           "--max-new-tokens", "4", "--schedule", "3", "--threads", "1", "--out", run, "--cache-dir", cache]
+    cmd = [sys.executable, "train.py", "--env", "corridor", "--steps", "1", "--batch-size", "2",
+           "--group-size", "2", "--max-new-tokens", "4", "--schedule", "3", "--threads", "1",
+           "--out", run, "--cache-dir", cache]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res_path = os.path.join(run, "eval.json")
-    cmd = [sys.executable, "eval.py", "--env", "corridor", "--checkpoint", run, "--n", "2", "--limit", "4",
-           "--max-turns", "6", "--max-new-tokens", "4", "--threads", "1", "--cache-dir", cache, "--out", res_path]
+    cmd = [sys.executable, "eval.py", "--env", "corridor", "--checkpoint", run, "--n", "2",
+           "--limit", "4", "--max-turns", "6", "--max-new-tokens", "4", "--threads", "1",
+           "--cache-dir", cache, "--out", res_path]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "overall" in out.stdout and "avg@2" in out.stdout
@@ -69,7 +74,8 @@ def test_checkpoint_eval_matches_hand_count(tmp_path):
     passed = sum(max(s) > 0 for s in by_item.values()) / 4
     assert res["overall"]["avg@2"] == pytest.approx(avg)
     assert res["overall"]["pass@2"] == pytest.approx(passed)
-    assert set(res["by_category"]) == {"distance_3"}  # the test tasks: distance 3, which no training task has
+    # the test tasks: distance 3, which no training task has
+    assert set(res["by_category"]) == {"distance_3"}
     assert res["statuses"]["done"] + res["statuses"]["max_turns"] == 8
     assert res["excluded"] == {"env_error": 0, "endpoint_error": 0}
     assert res["config"]["checkpoint"] == run
@@ -87,7 +93,8 @@ def fake_chat_server(status: int = 200):
         seen.append(body)
         if status != 200:
             return jsonify({"error": "boom"}), status
-        return jsonify({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Action: right"},
+        return jsonify({"choices": [{"index": 0, "message": {"role": "assistant",
+                                                             "content": "Action: right"},
                                      "finish_reason": "stop"}]})
 
     url, stop = serve_wsgi_in_thread(app)
@@ -104,9 +111,9 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
     url, stop, seen = fake_chat_server()
     try:
         out = str(tmp_path / "ep.json")
-        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
-                                     "--endpoint-model", "fake", "--n", "2", "--limit", "6", "--max-turns", "5",
-                                     "--out", out]))
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url,
+                                     "--endpoint", url, "--endpoint-model", "fake", "--n", "2",
+                                     "--limit", "6", "--max-turns", "5", "--out", out]))
     finally:
         stop()
     # Corridor test task i: goal on the right iff i is even, at distance 3 <= 5 = K.
@@ -115,10 +122,13 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
     for item, s in scores.items():
         assert s == ([1.0, 1.0] if item % 2 == 0 else [0.0, 0.0]), item
     assert res["statuses"] == {"done": 6, "max_turns": 6, "context_limit": 0, "env_error": 0}
-    assert res["overall"]["avg@2"] == pytest.approx(0.5) and res["overall"]["pass@2"] == pytest.approx(0.5)
-    # The same messages as training: instruction, acknowledgement, first observation, then the dialogue.
+    assert (res["overall"]["avg@2"] == pytest.approx(0.5)
+            and res["overall"]["pass@2"] == pytest.approx(0.5))
+    # The same messages as training: instruction, acknowledgement, first observation, then the
+    # dialogue.
     first = seen[0]
-    assert first["model"] == "fake" and first["messages"][0]["content"] == agents.opening_messages("corridor", "x")[0]["content"]
+    assert (first["model"] == "fake" and first["messages"][0]["content"] ==
+            agents.opening_messages("corridor", "x")[0]["content"])
     assert [m["role"] for m in first["messages"]] == ["user", "assistant", "user"]
     with open(tmp_path / "ep.rollouts.jsonl") as f:
         trajs = [json.loads(x) for x in f]
@@ -128,14 +138,17 @@ def test_endpoint_answering_right(tmp_path, corridor_url):
 def test_endpoint_http_500_is_an_error_not_a_zero(tmp_path, corridor_url):
     url, stop, seen = fake_chat_server(status=500)
     try:
-        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
-                                     "--endpoint-model", "fake", "--n", "2", "--limit", "2", "--max-turns", "3",
-                                     "--endpoint-retries", "1", "--out", str(tmp_path / "ep.json")]))
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url,
+                                     "--endpoint", url, "--endpoint-model", "fake", "--n", "2",
+                                     "--limit", "2", "--max-turns", "3", "--endpoint-retries", "1",
+                                     "--out", str(tmp_path / "ep.json")]))
     finally:
         stop()
     assert res["excluded"] == {"env_error": 0, "endpoint_error": 4}
-    assert res["statuses"]["env_error"] == 4 and res["statuses"]["done"] == res["statuses"]["max_turns"] == 0
-    assert res["overall"]["tasks"] == 0 and res["overall"]["samples"] == 0  # nothing scored, not scored 0
+    assert (res["statuses"]["env_error"] == 4
+            and res["statuses"]["done"] == res["statuses"]["max_turns"] == 0)
+    # nothing scored, not scored 0
+    assert res["overall"]["tasks"] == 0 and res["overall"]["samples"] == 0
     assert all(t["scores"] == [] and t["errors"] == 2 for t in res["tasks"])
     assert len(seen) == 4 * 2  # each request tried once more, then counted
 
@@ -145,8 +158,9 @@ def fake_run(folder, **settings):
     import train
 
     os.makedirs(os.path.join(folder, "checkpoint", "model"))
-    cfg = {**vars(train.config.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6, "max_context": 512,
-           "temperature": 0.7, "top_p": 0.9, "out": str(folder), "lr": 3e-4, **settings}
+    cfg = {**vars(train.config.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6,
+           "max_context": 512, "temperature": 0.7, "top_p": 0.9, "out": str(folder), "lr": 3e-4,
+           **settings}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(folder)
@@ -155,11 +169,14 @@ def fake_run(folder, **settings):
 def test_a_checkpoint_is_played_with_its_runs_settings_unless_flags_say_otherwise(tmp_path, capsys):
     run = fake_run(tmp_path / "run")
     cfg = ev.parse_args(["--checkpoint", run])
-    assert (cfg.env, cfg.max_turns, cfg.max_new_tokens, cfg.max_context, cfg.temperature, cfg.top_p, cfg.agent) == \
+    assert (cfg.env, cfg.max_turns, cfg.max_new_tokens, cfg.max_context, cfg.temperature,
+            cfg.top_p, cfg.agent) == \
         ("corridor", 5, 6, 512, 0.7, 0.9, "react")  # K: the schedule's largest stage
     assert "from " + run + "/config.json: env corridor" in capsys.readouterr().out
-    cfg = ev.parse_args(["--checkpoint", run, "--max-turns", "9", "--temperature", "1", "--max-new-tokens", "64"])
-    assert (cfg.max_turns, cfg.temperature, cfg.max_new_tokens, cfg.max_context) == (9, 1.0, 64, 512)
+    cfg = ev.parse_args(["--checkpoint", run, "--max-turns", "9", "--temperature", "1",
+                         "--max-new-tokens", "64"])
+    assert (cfg.max_turns, cfg.temperature, cfg.max_new_tokens,
+            cfg.max_context) == (9, 1.0, 64, 512)
     cfg = ev.parse_args(["--checkpoint", fake_run(tmp_path / "other", eval_turns=3)])
     assert cfg.max_turns == 3  # the horizon the run's own evaluations played
 
@@ -176,7 +193,8 @@ def test_config_of_a_training_run_skips_its_training_fields_in_one_note(tmp_path
 
 def result(scores: dict) -> dict:
     """An eval.py result with these per-task scores (task id -> list of sample scores)."""
-    return {"tasks": [{"item_id": i, "category": "all", "scores": s, "errors": 0} for i, s in scores.items()]}
+    return {"tasks": [{"item_id": i, "category": "all", "scores": s, "errors": 0}
+                      for i, s in scores.items()]}
 
 
 def test_compare_pairs_tasks_and_counts_the_changed_ones():
@@ -199,7 +217,8 @@ def test_compare_pairs_tasks_and_counts_the_changed_ones():
 
 
 def test_compare_averages_samples_per_task_and_skips_the_sign_test_for_scores():
-    c = paired.compare(result({1: [0.0, 1.0], 2: [0.5, 0.5]}), result({1: [1.0, 1.0], 2: [0.25, 0.75]}))
+    c = paired.compare(result({1: [0.0, 1.0], 2: [0.5, 0.5]}),
+                       result({1: [1.0, 1.0], 2: [0.25, 0.75]}))
     assert c["change"] == pytest.approx(0.25) and "sign_test_p" not in c
 
 
@@ -207,29 +226,38 @@ def test_behaviour_counts_turns_per_success_and_repeated_actions(capsys):
     from rollout import Trajectory
 
     def episode(actions, status, reward):
-        replies = [{"role": "assistant", "content": f"Thought: x.\nAction: {a}" if a else "no action here"}
+        replies = [{"role": "assistant",
+                    "content": f"Thought: x.\nAction: {a}" if a else "no action here"}
                    for a in actions]
-        opening = [{"role": "user", "content": "rules"}, {"role": "assistant", "content": "Action: ignored"},
+        opening = [{"role": "user", "content": "rules"},
+                   {"role": "assistant", "content": "Action: ignored"},
                    {"role": "user", "content": "first"}]
         messages = opening + [m for r in replies for m in (r, {"role": "user", "content": "reply"})]
-        return Trajectory("textcraft", 0, 0, messages, [], [], [], turns=len(actions), status=status, reward=reward)
+        return Trajectory("textcraft", 0, 0, messages, [], [], [], turns=len(actions),
+                          status=status, reward=reward)
 
     won = episode(["get 1 log", "craft 4 planks using 1 log"], "done", 1.0)
     # 5 actions: the 2nd and 3rd repeat the one before; the reply without an action breaks the run
-    lost = episode(["craft 1 door using 6 planks"] * 3 + [None, "craft 1 door using 6 planks", "get 1 log"],
+    lost = episode(["craft 1 door using 6 planks"] * 3
+                   + [None, "craft 1 door using 6 planks", "get 1 log"],
                    "max_turns", 0.0)
     b = eval_outputs.behaviour([won, lost])
     assert b["turns_per_success"] == 2 and b["repeated_actions"] == pytest.approx(2 / 7)
-    assert eval_outputs.behaviour([lost])["turns_per_success"] is None and eval_outputs.behaviour([]) == {
-        "turns_per_success": None, "repeated_actions": None}
-    eval_outputs.print_table({"n_scored": 1, "by_category": {}, "overall": {"tasks": 2, "avg@1": 0.5, "pass@1": 0.5},
-                              "statuses": {}, "excluded": {"env_error": 0, "endpoint_error": 0}, "behaviour": b})
-    assert "episodes: 2.0 turns per success, 29% of actions repeat the one before" in capsys.readouterr().out
+    assert (eval_outputs.behaviour([lost])["turns_per_success"] is None
+            and eval_outputs.behaviour([]) == {"turns_per_success": None,
+                                               "repeated_actions": None})
+    eval_outputs.print_table({"n_scored": 1, "by_category": {},
+                              "overall": {"tasks": 2, "avg@1": 0.5, "pass@1": 0.5},
+                              "statuses": {}, "excluded": {"env_error": 0, "endpoint_error": 0},
+                              "behaviour": b})
+    assert ("episodes: 2.0 turns per success, 29% of actions repeat the one before"
+            in capsys.readouterr().out)
 
 
 def test_compare_breaks_the_change_down_by_category(capsys):
     def res(scores):  # tasks 0-3 category "a", 4-5 category "b"
-        return {"tasks": [{"item_id": i, "category": "a" if i < 4 else "b", "scores": s} for i, s in scores.items()]}
+        return {"tasks": [{"item_id": i, "category": "a" if i < 4 else "b", "scores": s}
+                          for i, s in scores.items()]}
     start = res({0: [0.0], 1: [0.0], 2: [1.0], 3: [0.0], 4: [1.0], 5: [1.0]})
     end = res({0: [1.0], 1: [1.0], 2: [1.0], 3: [1.0], 4: [0.0], 5: [1.0]})
     c = paired.compare(start, end)
@@ -240,8 +268,10 @@ def test_compare_breaks_the_change_down_by_category(capsys):
     sd = ((3 * 0.25 ** 2 + 0.75 ** 2) / 3) ** 0.5  # category a's differences 1, 1, 0, 1
     assert a["ci95"] == pytest.approx([0.75 - 1.96 * sd / 2, 0.75 + 1.96 * sd / 2])
     paired.print_comparison(c, "s.json", "e.json")
-    assert "b                      2 tasks  1.000 -> 0.500   -50.0 points" in capsys.readouterr().out
-    assert "by_category" not in paired.compare(result({1: [0.0]}), result({1: [1.0]}))  # one category: no breakdown
+    assert ("b                      2 tasks  1.000 -> 0.500   -50.0 points"
+            in capsys.readouterr().out)
+    # one category: no breakdown
+    assert "by_category" not in paired.compare(result({1: [0.0]}), result({1: [1.0]}))
 
 
 def test_compare_from_the_command_line(tmp_path):
@@ -249,14 +279,14 @@ def test_compare_from_the_command_line(tmp_path):
     a.write_text(json.dumps(result({i: [float(i < 3)] for i in range(10)})))
     b.write_text(json.dumps(result({i: [float(i < 6)] for i in range(10)})))
     bad.write_text(json.dumps({"success_rate": 0.5}))
-    out = subprocess.run([sys.executable, "eval.py", "--compare", f"{a},{b}"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "eval.py", "--compare", f"{a},{b}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "change +30.0 points" in out.stdout and "3 tasks gained, 0 lost" in out.stdout
     for arg, needle in [(f"{a}", "give two result files"), (f"{a},{tmp_path}/none.json", "no file"),
                         (f"{a},{bad}", "not a result of eval.py")]:
-        out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and needle in out.stderr and out.stdout == "", (arg, out.stderr)
 
 
@@ -289,10 +319,13 @@ def test_curriculum_keeps_the_tasks_solved_only_sometimes(tmp_path, corridor_url
     url, stop = fake_chat_server_each_way()
     path = str(tmp_path / "sometimes.json")
     try:
-        # Training tasks 0-5 put the goal 1, 1, 2, 2, 4, 4 cells away; with K = 3 the last two are never reached.
-        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
-                                     "--endpoint-model", "fake", "--split", "train", "--n", "2", "--limit", "6",
-                                     "--max-turns", "3", "--out", str(tmp_path / "r.json"), "--curriculum", path]))
+        # Training tasks 0-5 put the goal 1, 1, 2, 2, 4, 4 cells away; with K = 3 the last two are
+        # never reached.
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url,
+                                     "--endpoint", url, "--endpoint-model", "fake",
+                                     "--split", "train", "--n", "2", "--limit", "6",
+                                     "--max-turns", "3", "--out", str(tmp_path / "r.json"),
+                                     "--curriculum", path]))
     finally:
         stop()
     assert {t["item_id"]: sorted(t["scores"]) for t in res["tasks"]} == \
@@ -300,7 +333,8 @@ def test_curriculum_keeps_the_tasks_solved_only_sometimes(tmp_path, corridor_url
     assert json.load(open(path)) == [0, 1, 2, 3]
     assert "4 of 6 tasks solved only sometimes" in capsys.readouterr().out
     from trainer.cli import task_lists
-    splits = task_lists(corridor_url, "corridor", path)["splits"]  # what train.py --tasks-file trains on
+    # what train.py --tasks-file trains on
+    splits = task_lists(corridor_url, "corridor", path)["splits"]
     assert splits["train"] == [0, 1, 2, 3] and splits["test"] == list(range(48, 60))
 
 
@@ -311,7 +345,8 @@ def test_curriculum_with_no_task_between_writes_nothing(tmp_path):
     with pytest.raises(SystemExit, match="no task of the 2 with 2 or more scored samples"):
         eval_outputs.write_curriculum(tied, str(path))
     assert not path.exists()
-    assert eval_outputs.sometimes_solved({"tasks": [{"item_id": 7, "scores": [0.25, 0.5]}, *tied["tasks"]]}) == [7]
+    assert eval_outputs.sometimes_solved({"tasks": [{"item_id": 7, "scores": [0.25, 0.5]},
+                                                    *tied["tasks"]]}) == [7]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -320,16 +355,18 @@ def test_curriculum_with_no_task_between_writes_nothing(tmp_path):
     (["--n", "4"], "estimate it on the training split"),
 ])
 def test_curriculum_flags_are_checked_first(tmp_path, argv, needle):
-    out = subprocess.run([sys.executable, "eval.py", "--env", "corridor", "--curriculum", str(tmp_path / "c.json"),
-                          *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "eval.py", "--env", "corridor",
+                          "--curriculum", str(tmp_path / "c.json"), *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and needle in out.stderr and out.stdout == "", out.stderr
     assert os.listdir(tmp_path) == []
 
 
 def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, monkeypatch, capsys):
     # 6 tasks x 2 samples on 4 env instances: 3 chunks; the cut comes as the third starts.
-    args = ["--env", "corridor", "--env-addr", corridor_url, "--limit", "6", "--n", "2", "--batch", "4",
-            "--max-turns", "4", "--max-new-tokens", "4", "--threads", "1", "--cache-dir", str(tmp_path / "cache")]
+    args = ["--env", "corridor", "--env-addr", corridor_url, "--limit", "6", "--n", "2",
+            "--batch", "4", "--max-turns", "4", "--max-new-tokens", "4", "--threads", "1",
+            "--cache-dir", str(tmp_path / "cache")]
     whole = ev.main(ev.parse_args([*args, "--out", str(tmp_path / "whole" / "r.json")]))
     out = str(tmp_path / "cut" / "r.json")
     real, calls = ev.rollout, []
@@ -343,31 +380,40 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
     monkeypatch.setattr(ev, "rollout", counted)
     with pytest.raises(KeyboardInterrupt):
         ev.main(ev.parse_args([*args, "--out", out]))
-    assert not os.path.exists(out) and len(eval_outputs.read_partial(ev.parse_args([*args, "--out", out]))) == 8
+    assert (not os.path.exists(out)
+            and len(eval_outputs.read_partial(ev.parse_args([*args, "--out", out]))) == 8)
     with pytest.raises(SystemExit):  # other settings would mix two evaluations in one result
         ev.parse_args([*args, "--out", out, "--max-turns", "5"])
     assert "holds a cut evaluation with --max-turns 4, not 5" in capsys.readouterr().err
-    again = ev.main(ev.parse_args([*args, "--out", out, "--vllm-kv-tokens", "5000"]))  # memory only: free to change
-    assert "continuing the cut evaluation" in capsys.readouterr().out and len(calls) == 4  # one chunk left to play
+    # memory only: free to change
+    again = ev.main(ev.parse_args([*args, "--out", out, "--vllm-kv-tokens", "5000"]))
+    assert ("continuing the cut evaluation" in capsys.readouterr().out
+            and len(calls) == 4)  # one chunk left to play
     assert again["tasks"] == whole["tasks"] and again["statuses"] == whole["statuses"]
 
     def rows(folder):
         with open(tmp_path / folder / "r.rollouts.jsonl") as f:
             return [(t["item_id"], t["token_ids"], t["logprobs"]) for t in map(json.loads, f)]
-    assert rows("cut") == rows("whole")  # the last chunk sampled from its own seed, as in the uncut run
+    # the last chunk sampled from its own seed, as in the uncut run
+    assert rows("cut") == rows("whole")
     assert not os.path.exists(eval_outputs.partial_path(out))
 
 
 def test_compare_pools_the_results_on_each_side(tmp_path):
     paths = {}
-    for name, scores in {"a0": {1: [0.0], 2: [1.0], 3: [0.0]}, "a1": {1: [1.0], 2: [1.0], 3: [0.0]},
-                         "b0": {1: [1.0], 2: [1.0], 3: [1.0]}, "b1": {1: [1.0], 2: [0.0], 3: [1.0]}}.items():
+    for name, scores in {"a0": {1: [0.0], 2: [1.0], 3: [0.0]},
+                         "a1": {1: [1.0], 2: [1.0], 3: [0.0]},
+                         "b0": {1: [1.0], 2: [1.0], 3: [1.0]},
+                         "b1": {1: [1.0], 2: [0.0], 3: [1.0]}}.items():
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(result(scores)))
-    c = ev.main(ev.parse_args(["--compare", f"{paths['a0']}+{paths['a1']},{paths['b0']}+{paths['b1']}"]))
+    c = ev.main(ev.parse_args(["--compare",
+                               f"{paths['a0']}+{paths['a1']},{paths['b0']}+{paths['b1']}"]))
     # per task, start 0.5 / 1 / 0 and end 1 / 0.5 / 1: changes +0.5, -0.5, +1
-    assert (c["tasks"], c["start"], c["end"], c["change"]) == pytest.approx((3, 0.5, 2.5 / 3, 1 / 3))
+    assert (c["tasks"], c["start"], c["end"], c["change"]) == pytest.approx(
+        (3, 0.5, 2.5 / 3, 1 / 3))
     assert "sign_test_p" not in c  # pooled scores are not one 0/1 sample per task
-    out = subprocess.run([sys.executable, "eval.py", "--compare", f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"],
+    out = subprocess.run([sys.executable, "eval.py", "--compare",
+                          f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no file" in out.stderr

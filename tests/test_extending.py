@@ -1,6 +1,6 @@
-"""Each extension point is one registration, made here from a test file, without touching train.py: an
-advantage estimator, an environment, an agent scheme, a horizon schedule. A half-registered game and an
-unknown name are refused with one message."""
+"""Each extension point is one registration, made here from a test file, without touching train.py:
+an advantage estimator, an environment, an agent scheme, a horizon schedule. A half-registered game
+and an unknown name are refused with one message."""
 
 import json
 import os
@@ -15,7 +15,8 @@ import scheduler
 import train
 from env_server.app import serve_in_thread
 
-TINY = ["--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--eval-every", "0"]
+TINY = ["--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
+        "--eval-every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def train_run(tmp_path, cache_dir, *args) -> list[dict]:
 
 
 def test_a_new_estimator_trains_without_touching_train_py(tmp_path, cache_dir, monkeypatch):
-    monkeypatch.setitem(algos.ESTIMATORS, "sign", None)  # so that the registration is undone after the test
+    # so that the registration is undone after the test
+    monkeypatch.setitem(algos.ESTIMATORS, "sign", None)
     calls = []
 
     @algos.register_estimator("sign")
@@ -45,13 +47,16 @@ def test_a_new_estimator_trains_without_touching_train_py(tmp_path, cache_dir, m
         mean = algos.grpo_advantages(x.scores, x.group_ids, norm_std=False)
         return torch.sign(mean)[:, None] * x.mask, None
 
-    m = train_run(tmp_path, cache_dir, "--env", "corridor", "--algo", "sign", "--steps", "1", "--schedule", "3")
+    m = train_run(tmp_path, cache_dir, "--env", "corridor", "--algo", "sign", "--steps", "1",
+                  "--schedule", "3")
     assert len(calls) == 1 and len(calls[0]) == 4  # one step, batch 2 x group 2
-    assert m[0]["step"] == 1 and "loss" in m[0] and "value_loss" not in m[0]  # no critic asked for, none trained
+    # no critic asked for, none trained
+    assert m[0]["step"] == 1 and "loss" in m[0] and "value_loss" not in m[0]
 
 
 def test_an_unknown_estimator_is_refused_never_run_as_another(capsys):
-    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: dr_grpo, gigpo, grpo"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; "
+                                         "registered: dr_grpo, gigpo, grpo"):
         algos.estimator("nope")
     with pytest.raises(SystemExit):
         train.parse_args(["--env", "corridor", "--algo", "nope"])
@@ -59,7 +64,8 @@ def test_an_unknown_estimator_is_refused_never_run_as_another(capsys):
 
 
 def test_dr_grpo_is_grpo_without_the_std():
-    x = algos.AdvantageInputs(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3))
+    x = algos.AdvantageInputs(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]),
+                              torch.ones(4, 3))
     adv, returns = algos.estimator("dr_grpo").fn(x)
     assert returns is None and torch.allclose(adv[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
     grpo, _ = algos.estimator("grpo").fn(x)
@@ -71,7 +77,8 @@ def test_a_new_env_is_one_class_and_one_registration(tmp_path, cache_dir):
     """tests/toy_env.py's CounterEnv and its register_env call are all train.py needs."""
     url, stop = serve_in_thread(CounterEnv)
     try:
-        m = train_run(tmp_path, cache_dir, "--env", "counter", "--env-addr", url, "--steps", "1", "--schedule", "2")
+        m = train_run(tmp_path, cache_dir, "--env", "counter", "--env-addr", url, "--steps", "1",
+                      "--schedule", "2")
     finally:
         stop()
     assert m[0]["step"] == 1 and m[0]["status_env_error"] == 0
@@ -85,13 +92,16 @@ def test_a_half_registered_env_fails_at_start_up_with_one_message(monkeypatch, c
     for name in ("half", "classless"):
         monkeypatch.setitem(agents.ENVS, name, None)
     agents.register_env("half", server=CounterEnv, instructions=None, parse_action=None)
-    agents.register_env("classless", server="os.path:join", instructions="Play.", parse_action=agents.parse_whole_reply)
-    for name, needles in (("half", ["instructions", "parse_action"]), ("classless", ["server class", "not a subclass"])):
+    agents.register_env("classless", server="os.path:join", instructions="Play.",
+                        parse_action=agents.parse_whole_reply)
+    for name, needles in (("half", ["instructions", "parse_action"]),
+                          ("classless", ["server class", "not a subclass"])):
         with pytest.raises(SystemExit) as stopped:
             train.parse_args(["--env", name])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
-        assert all(n in err for n in needles) and f"environment {name!r} is registered without" in err
+        assert (all(n in err for n in needles)
+                and f"environment {name!r} is registered without" in err)
 
 
 def test_a_new_agent_scheme(tmp_path, cache_dir, monkeypatch):
@@ -104,10 +114,12 @@ def test_a_new_agent_scheme(tmp_path, cache_dir, monkeypatch):
         def opening(self, first_observation):
             return agents.opening_messages(self.env, f"{first_observation}\nAnswer in one word.")
 
-    train_run(tmp_path, cache_dir, "--env", "corridor", "--agent", "terse", "--steps", "1", "--schedule", "2")
+    train_run(tmp_path, cache_dir, "--env", "corridor", "--agent", "terse", "--steps", "1",
+              "--schedule", "2")
     with open(tmp_path / "run" / "rollouts" / "step_000001.jsonl") as f:
         rows = [json.loads(x) for x in f]
-    assert all(r["agent"] == "terse" and r["messages"][2]["content"].endswith("Answer in one word.") for r in rows)
+    assert all(r["agent"] == "terse" and r["messages"][2]["content"].endswith("Answer in one word.")
+               for r in rows)
     with pytest.raises(TypeError, match="subclass of agents.React"):
         agents.register_scheme(type("Loose", (), {"name": "loose"}))
 
@@ -119,8 +131,9 @@ def test_a_new_horizon_schedule(tmp_path, cache_dir, monkeypatch):
     def shrinking(rounds, every, **kw):
         return scheduler.StepwiseHorizon(sorted(rounds, reverse=True), every)
 
-    m = train_run(tmp_path, cache_dir, "--env", "corridor", "--schedule", "2,3", "--schedule-kind", "shrinking",
-                  "--steps", "2")
+    m = train_run(tmp_path, cache_dir, "--env", "corridor", "--schedule", "2,3",
+                  "--schedule-kind", "shrinking", "--steps", "2")
     assert [x["max_turns"] for x in m] == [3, 2]
-    with pytest.raises(ValueError, match="unknown schedule kind 'nope'; registered: plateau, shrinking, step"):
+    with pytest.raises(ValueError, match="unknown schedule kind 'nope'; "
+                                         "registered: plateau, shrinking, step"):
         scheduler.make_schedule("2,3", 1, "nope")

@@ -1,6 +1,6 @@
-"""plot.py: two runs (one fixed horizon, one with stages K=2 then K=4) make a PNG; stages are read off the
-max_turns column; held-out evaluations and a guessing habit add a panel each; a folder without metrics
-names itself in the error."""
+"""plot.py: two runs (one fixed horizon, one with stages K=2 then K=4) make a PNG; stages are read
+off the max_turns column; held-out evaluations and a guessing habit add a panel each; a folder
+without metrics names itself in the error."""
 
 import json
 import os
@@ -26,8 +26,9 @@ def test_two_runs_make_a_png(tmp_path):
     write_run(tmp_path / "fixed", [4] * 8, "4")
     write_run(tmp_path / "staged", [2] * 4 + [4] * 4, "2,4")
     out = tmp_path / "curves.png"
-    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "fixed"), str(tmp_path / "staged"), "--out",
-                          str(out), "--smooth", "3", "--labels", "fixed,staged"], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "fixed"),
+                          str(tmp_path / "staged"), "--out", str(out), "--smooth", "3",
+                          "--labels", "fixed,staged"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     data = out.read_bytes()
@@ -35,7 +36,8 @@ def test_two_runs_make_a_png(tmp_path):
 
 
 def test_held_out_evaluations_get_their_own_panel(tmp_path):
-    """A run with eval.jsonl adds the held-out panel (three axes); read_run returns its points in order."""
+    """A run with eval.jsonl adds the held-out panel (three axes); read_run returns its points in
+    order."""
     write_run(tmp_path / "r", [2] * 3 + [4] * 3, "2,4")
     with open(tmp_path / "r" / "eval.jsonl", "w") as f:
         for step, rate in ((6, 0.5), (0, 0.25), (3, 0.3)):
@@ -56,8 +58,8 @@ def test_held_out_evaluations_get_their_own_panel(tmp_path):
 
 
 def test_a_guessing_habit_gets_its_own_panel(tmp_path):
-    """Runs whose metrics carry guess_share > 0 (the built-in warm start's habit) add its panel; rows
-    without the column read as 0."""
+    """Runs whose metrics carry guess_share > 0 (the built-in warm start's habit) add its panel;
+    rows without the column read as 0."""
     write_run(tmp_path / "old", [2] * 3, "2")
     write_run(tmp_path / "g", [2] * 3, "2")
     with open(tmp_path / "g" / "metrics.jsonl") as f:
@@ -87,11 +89,13 @@ def test_stages_and_smoothing():
 def test_missing_or_empty_metrics_names_the_folder(tmp_path):
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out",
+                          str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "metrics.jsonl" in res.stderr
     (empty / "metrics.jsonl").write_text("")
-    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out", str(tmp_path / "x.png")], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(empty), "--out",
+                          str(tmp_path / "x.png")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and str(empty) in res.stderr and "empty" in res.stderr
 
@@ -104,9 +108,11 @@ def test_update_kl_and_informative_groups_get_their_panels(tmp_path):
         rows = [json.loads(x) for x in f]
     with open(tmp_path / "new" / "metrics.jsonl", "w") as f:
         for row, kl in zip(rows, (1e-5, None, 3e-3)):
-            f.write(json.dumps({**row, "groups_informative": 0.5, **({"update_kl": kl} if kl else {})}) + "\n")
+            f.write(json.dumps({**row, "groups_informative": 0.5,
+                                **({"update_kl": kl} if kl else {})}) + "\n")
     run = plot.read_run(str(tmp_path / "new"))
-    assert run["update_kl"][0] == 1e-5 and run["update_kl"][1] != run["update_kl"][1] and run["update_kl"][2] == 3e-3
+    assert (run["update_kl"][0] == 1e-5 and run["update_kl"][1] != run["update_kl"][1]
+            and run["update_kl"][2] == 3e-3)
     write_run(tmp_path / "old", [2] * 3, "2")
     import matplotlib.pyplot as plt
     seen = []
@@ -127,9 +133,11 @@ def test_the_update_kl_panel_draws_the_runs_guard_once(tmp_path):
         with open(tmp_path / name / "metrics.jsonl") as f:
             rows = [json.loads(x) for x in f]
         with open(tmp_path / name / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps({**row, "update_kl": 1e-3 * (i + 1)}) + "\n" for i, row in enumerate(rows))
+            f.writelines(json.dumps({**row, "update_kl": 1e-3 * (i + 1)}) + "\n"
+                         for i, row in enumerate(rows))
         with open(tmp_path / name / "config.json", "w") as f:
-            json.dump({"env": "textcraft", "algo": "grpo", "schedule": "2", "max_update_kl": bound}, f)
+            json.dump({"env": "textcraft", "algo": "grpo", "schedule": "2",
+                       "max_update_kl": bound}, f)
     import matplotlib.pyplot as plt
     made = []
     real = plt.subplots
@@ -148,67 +156,85 @@ def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
     write_run(tmp_path / "b", [2] * 4, "2")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "a"), str(tmp_path / "b")],
-                         cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "a"),
+                          str(tmp_path / "b")],
+                         cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG" and not os.listdir(elsewhere)
+    assert ((tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+            and not os.listdir(elsewhere))
     assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout
 
 
 def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):
     def result(name, scores):  # task i: category depth_1 for i < 4, else depth_2
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"tasks": [{"item_id": i, "category": f"depth_{1 + (i >= 4)}", "scores": s}
+        path.write_text(json.dumps({"tasks": [{"item_id": i, "category": f"depth_{1 + (i >= 4)}",
+                                               "scores": s}
                                               for i, s in enumerate(scores)]}))
         return str(path)
 
-    s0, s1 = result("s0", [[0.0]] * 4 + [[1.0]] * 4), result("s1", [[1.0]] + [[0.0]] * 3 + [[1.0]] * 4)
+    s0, s1 = (result("s0", [[0.0]] * 4 + [[1.0]] * 4),
+              result("s1", [[1.0]] + [[0.0]] * 3 + [[1.0]] * 4))
     e0 = result("e0", [[1.0]] * 4 + [[0.0]] * 4)
     out = tmp_path / "changes.png"
     seen = []
     import matplotlib.axes
     real = matplotlib.axes.Axes.errorbar
-    matplotlib.axes.Axes.errorbar = lambda self, x, y, **k: seen.append((list(x), list(y))) or real(self, x, y, **k)
+    matplotlib.axes.Axes.errorbar = (lambda self, x, y, **k: seen.append((list(x), list(y)))
+                                     or real(self, x, y, **k))
     try:
-        plot.main(["--compare", f"{s0}+{s1},{e0}", "--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"])
+        plot.main(["--compare", f"{s0}+{s1},{e0}", "--compare", f"{s0},{e0}", "--out", str(out),
+                   "--labels", "a,b"])
     finally:
         matplotlib.axes.Axes.errorbar = real
     assert out.stat().st_size > 0
-    # overall, depth_1, depth_2 for each comparison: pooled start 1/8, 0, 0, 0 on depth 1 -> +87.5; depth 2 -> -100
-    assert [round(y, 1) for y in seen[0][1]] == [-6.2, 87.5, -100.0] and seen[1][1] == [0.0, 100.0, -100.0]
+    # overall, depth_1, depth_2 for each comparison: pooled start 1/8, 0, 0, 0 on depth 1 -> +87.5;
+    # depth 2 -> -100
+    assert ([round(y, 1) for y in seen[0][1]] == [-6.2, 87.5, -100.0]
+            and seen[1][1] == [0.0, 100.0, -100.0])
     assert seen[0][0][0] < seen[1][0][0] < 1  # side by side within each category
     for args, needle in [(["--compare", f"{s0},{e0}"], "needs --out"),
-                         ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)], "one of the three"),
-                         (["--compare", f"{s0},{tmp_path}/none.json", "--out", str(out)], "no file"),
-                         (["--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"], "2 names for 1"),
+                         ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)],
+                          "one of the three"),
+                         (["--compare", f"{s0},{tmp_path}/none.json", "--out", str(out)],
+                          "no file"),
+                         (["--compare", f"{s0},{e0}", "--out", str(out), "--labels", "a,b"],
+                          "2 names for 1"),
                          ([], "give run folders")]:
-        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
 
 
 def test_held_out_curves_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):
     def result(name, scores):
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"tasks": [{"item_id": i, "scores": s} for i, s in enumerate(scores)]}))
+        path.write_text(json.dumps({"tasks": [{"item_id": i, "scores": s}
+                                              for i, s in enumerate(scores)]}))
         return str(path)
 
     s0, s1 = result("s0", [[0.0], [0.0], [1.0], [0.0]]), result("s1", [[0.0], [0.0], [1.0], [1.0]])
     a, b = result("a", [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]), result("b", [[1.0]] * 4)
-    # start: per task 0, 0, 1, 0.5 -> 37.5%; a: 0.5, 0, 1, 1 -> 62.5%, changes 0.5, 0, 0, 0.5 (se 0.144)
+    # start: per task 0, 0, 1, 0.5 -> 37.5%; a: 0.5, 0, 1, 1 -> 62.5%, changes 0.5, 0, 0, 0.5
+    # (se 0.144)
     points = plot.curve_points(f"0={s0}+{s1},10={a},20={b}")
     assert [(s, round(100 * y, 1)) for s, y, _, _ in points] == [(0, 37.5), (10, 62.5), (20, 100.0)]
     assert points[0][2] == points[0][3] == points[0][1]  # the first point: no bar
     assert [round(100 * x, 1) for x in points[1][2:]] == [34.2, 90.8]  # 37.5 + 25 -/+ 1.96 * 14.43
     out = tmp_path / "curve.png"
-    plot.main(["--curve", f"0={s0}+{s1},10={a},20={b}", "--curve", f"0={s0},20={b}", "--out", str(out),
-               "--labels", "seed 0,seed 1"])
+    plot.main(["--curve", f"0={s0}+{s1},10={a},20={b}", "--curve", f"0={s0},20={b}",
+               "--out", str(out), "--labels", "seed 0,seed 1"])
     assert out.stat().st_size > 0
     for args, needle in [(["--curve", f"0={s0},10={a}"], "needs --out"),
                          (["--curve", f"0={s0}", "--out", str(out)], "two or more points"),
                          (["--curve", f"x={s0},10={a}", "--out", str(out)], "two or more points"),
                          (["--curve", f"10={s0},0={a}", "--out", str(out)], "must increase"),
-                         (["--curve", f"0={s0},10={tmp_path}/none.json", "--out", str(out)], "no file"),
-                         (["--curve", f"0={s0},10={a}", "--compare", f"{s0},{a}", "--out", str(out)],
+                         (["--curve", f"0={s0},10={tmp_path}/none.json", "--out", str(out)],
+                          "no file"),
+                         (["--curve", f"0={s0},10={a}", "--compare", f"{s0},{a}",
+                           "--out", str(out)],
                           "one of the three")]:
-        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)

@@ -1,6 +1,7 @@
 """bf16 compute with fp32 master weights (policy.Precision), --dtype, and the update's skip of rows
 without signal: the skip gives the update that computing those rows gives, the bf16 copy's gradients
-land in the fp32 master without rounding small updates away, and sampler and trainer agree in bf16."""
+land in the fp32 master without rounding small updates away, and sampler and trainer agree in
+bf16."""
 
 import copy
 import json
@@ -27,9 +28,10 @@ def tiny(seed: int = 0):
 def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32):
     cfg = train.parse_args(["--env", "corridor", *flags])
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
-    return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None, critic=None,
-                           optims={"policy": opt}, pad=0, device=torch.device("cpu"),
-                           engine_kind=cfg.engine, update_gen=torch.Generator().manual_seed(cfg.seed))
+    return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None,
+                           critic=None, optims={"policy": opt}, pad=0, device=torch.device("cpu"),
+                           engine_kind=cfg.engine,
+                           update_gen=torch.Generator().manual_seed(cfg.seed))
 
 
 def tied_groups(trajs, groups=(0, 1)):
@@ -44,11 +46,12 @@ def tied_groups(trajs, groups=(0, 1)):
                                    ["--loss-agg", "token_mean", "--mini-batch-size", "4"]])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monkeypatch):
-    """Groups 0 and 1 tie (4 of 8 rows without signal). The update that never forwards them equals the
-    one that computes them over 3 steps, and forwards half the rows. With SGD to float precision; with
-    AdamW too (a mini-batch of idle rows alone still steps the optimizer, as a zero gradient would),
-    within 1e-4 of weights that move by 3e-2: Adam divides by the gradients' own size, which magnifies
-    the last-bit differences of summing the other rows in other micro-batches."""
+    """Groups 0 and 1 tie (4 of 8 rows without signal). The update that never forwards them equals
+    the one that computes them over 3 steps, and forwards half the rows. With SGD to float
+    precision; with AdamW too (a mini-batch of idle rows alone still steps the optimizer, as a zero
+    gradient would), within 1e-4 of weights that move by 3e-2: Adam divides by the gradients' own
+    size, which magnifies the last-bit differences of summing the other rows in other
+    micro-batches."""
     base = tiny()
     trajs = tied_groups(fixed_trajectories(base))
     forwarded = {"skip": 0, "all": 0}
@@ -88,7 +91,8 @@ def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind,
                                                                             monkeypatch):
     """The update's extra forward over the rows (the PPO ratio's denominator from the trainer)
     runs where the sampler's log-probs are not the trainer's numbers: bf16, vLLM with top_p < 1,
-    --tis-cap; in fp32 vLLM's log-probs are the trainer's to 3.4e-6 a token (bench/sampler_gap.py)."""
+    --tis-cap; in fp32 vLLM's log-probs are the trainer's to 3.4e-6 a token
+    (bench/sampler_gap.py)."""
     base = tiny()
     run = run_of(flags, copy.deepcopy(base), dtype=dtype)
     run.engine_kind = kind
@@ -101,7 +105,8 @@ def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind,
 
 
 def test_no_rows_are_skipped_when_a_loss_term_reads_them():
-    """With a KL or entropy term, a row without advantage still has a gradient: nothing is skipped."""
+    """With a KL or entropy term, a row without advantage still has a gradient: nothing is
+    skipped."""
     trajs = tied_groups(fixed_trajectories(tiny()))
     run = run_of(["--entropy-coef", "0.01"], tiny())
     assert train_update(run, trajs)["idle_rows"] == 0
@@ -111,8 +116,8 @@ def test_no_rows_are_skipped_when_a_loss_term_reads_them():
 
 def test_bf16_gradients_reach_the_fp32_master_without_rounding_the_update_away():
     """The bf16 copy computes; its gradients are added into the master's in fp32 micro-batch by
-    micro-batch; a small step moves nearly every master weight (a bf16 weight would round it away), and
-    the copy follows the master after sync."""
+    micro-batch; a small step moves nearly every master weight (a bf16 weight would round it away),
+    and the copy follows the master after sync."""
     master = tiny()
     prec = policy.Precision(master, torch.bfloat16)
     assert prec.model is not master and next(prec.model.parameters()).dtype == torch.bfloat16
@@ -148,15 +153,17 @@ def test_dtype_auto_is_bf16_only_where_it_pays(monkeypatch):
 
 
 def test_bf16_sampler_and_trainer_agree_on_the_tiny_model():
-    """The engine samples with the bf16 copy and the trainer scores with it: the log-probs agree within
-    bf16's resolution (the same weights and arithmetic; cached decoding and a whole-row forward round
-    differently), and the rows' ids are exactly what was sampled."""
+    """The engine samples with the bf16 copy and the trainer scores with it: the log-probs agree
+    within bf16's resolution (the same weights and arithmetic; cached decoding and a whole-row
+    forward round differently), and the rows' ids are exactly what was sampled."""
     prec = policy.Precision(tiny(), torch.bfloat16)
     prompts = [[1, 5, 7, 9], [3, 4, 11, 12, 13, 2]]
-    samples = HFEngine(prec.model, 0).generate(prompts, 10, [], 1.0, 1.0, torch.Generator().manual_seed(0))
+    samples = HFEngine(prec.model, 0).generate(prompts, 10, [], 1.0, 1.0,
+                                               torch.Generator().manual_seed(0))
     for p, s in zip(prompts, samples):
         ids = torch.tensor([p + s.ids])
-        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.shape[1])[None]}
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "position_ids": torch.arange(ids.shape[1])[None]}
         with torch.no_grad():
             lp = policy.token_logprobs(prec.model, mb, 1.0)[0][0, len(p) - 1:]
         assert len(s.ids) == 10 and (lp - torch.tensor(s.logprobs)).abs().max() < 0.05
@@ -164,10 +171,10 @@ def test_bf16_sampler_and_trainer_agree_on_the_tiny_model():
 
 def test_train_py_runs_in_bf16_with_fp32_checkpoints(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--dtype", "bf16", "--steps", "2",
-                        "--schedule", "2", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4",
-                        "--threads", "1", "--eval-every", "0", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--dtype", "bf16",
+                        "--steps", "2", "--schedule", "2", "--batch-size", "2", "--group-size", "4",
+                        "--max-new-tokens", "4", "--threads", "1", "--eval-every", "0",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert len(rows) == 2 and all(r["logprob_diff"] < 0.05 for r in rows if r.get("train_tokens"))
@@ -179,12 +186,14 @@ def test_train_py_runs_in_bf16_with_fp32_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("script", ["train", "eval", "recipes.sft"])
 def test_the_scripts_let_idle_openmp_threads_sleep(script):
-    """OMP_WAIT_POLICY=PASSIVE is set before torch loads OpenMP (on shared cores, spinning threads made a
-    tiny model's update 6x slower); a value the user set is kept."""
+    """OMP_WAIT_POLICY=PASSIVE is set before torch loads OpenMP (on shared cores, spinning threads
+    made a tiny model's update 6x slower); a value the user set is kept."""
     code = f"import os, {script}; print(os.environ['OMP_WAIT_POLICY'])"  # before torch
     env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert got.stdout.strip() == "PASSIVE", got.stderr[-1000:]
-    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, timeout=120)
     assert got.stdout.strip() == "ACTIVE"

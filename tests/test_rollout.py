@@ -1,5 +1,6 @@
-"""rollout.py: token-in/token-out rows checked against real chat templates (Qwen2.5, Qwen3, Phi-3), loss
-masks, statuses, the batch builder, and the HF engine's log-probs against a plain forward pass."""
+"""rollout.py: token-in/token-out rows checked against real chat templates (Qwen2.5, Qwen3, Phi-3),
+loss masks, statuses, the batch builder, and the HF engine's log-probs against a plain forward
+pass."""
 
 import os
 import warnings
@@ -19,7 +20,8 @@ from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
-                          os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizers"))
+                          os.path.join(os.path.dirname(__file__), "..", "..", "shared",
+                                       "tokenizers"))
 
 
 def real_tokenizer(name):
@@ -31,12 +33,14 @@ def real_tokenizer(name):
 
 
 class ScriptedEngine:
-    """Replies from a script, tokenised canonically, ending with the end-of-turn token unless `cut`."""
+    """Replies from a script, tokenised canonically, ending with the end-of-turn token unless
+    `cut`."""
 
     def __init__(self, fmt, replies, cut=()):
         self.fmt, self.replies, self.cut, self.turn = fmt, replies, set(cut), 0
 
-    def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0, generator=None, reuse=False):
+    def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
+                 generator=None, reuse=False):
         reply = self.replies[self.turn % len(self.replies)]
         stopped = self.turn not in self.cut
         self.turn += 1
@@ -52,9 +56,10 @@ class ScriptedEngine:
 
 def in_context(fmt, prompt_ids, reply):
     """The canonical tokens of `reply` right after `prompt_ids`, as the template's own tokenisation
-    would have them (SentencePiece tokenizers such as Phi-3's tokenise a word differently at the start
-    of a string)."""
-    prompt_text = fmt.tok.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    would have them (SentencePiece tokenizers such as Phi-3's tokenise a word differently at the
+    start of a string)."""
+    prompt_text = fmt.tok.decode(prompt_ids, skip_special_tokens=False,
+                                 clean_up_tokenization_spaces=False)
     ids = fmt.encode(prompt_text + reply)
     assert ids[:len(prompt_ids)] == prompt_ids
     return ids[len(prompt_ids):]
@@ -75,8 +80,8 @@ def play(url, tok, replies, n=2, cut=(), **cfg):
     fmt = ChatFormat(tok)
     with EnvPool(url, n) as pool:
         rcfg = RolloutConfig(**{"max_turns": 3, **cfg})
-        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut), fmt, rcfg), pool, "textcraft", list(range(n)),
-                        list(range(n)), rcfg, fmt=fmt)
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut), fmt, rcfg), pool,
+                        "textcraft", list(range(n)), list(range(n)), rcfg, fmt=fmt)
     return fmt, trajs
 
 
@@ -86,16 +91,22 @@ def test_rows_equal_the_chat_template(textcraft_url, name):
     fmt, trajs = play(textcraft_url, tok, REPLIES)
     for t in trajs:
         assert t.status == "max_turns" and t.turns == 3 and t.template == "exact"
-        assert t.messages[-1]["content"] == ONE_ACTION_ERROR  # the third reply broke the one-Action rule
-        # the loss mask covers exactly what the policy produced: each reply and its end-of-turn token
-        assert [fmt.tok.decode(r) for r in sampled_runs(t)] == [fmt.tok.decode(fmt.encode(r) + [fmt.eot_id])
-                                                             for r in REPLIES]
-        assert len(t.logprobs) == len(t.token_ids) and all(lp == 0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
-        # the whole row is the template's tokenisation of the conversation, up to the final reply's
-        # end-of-turn token (the last observation came after the final turn, so it is not in the row)
-        full = fmt.encode(tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True))
+        # the third reply broke the one-Action rule
+        assert t.messages[-1]["content"] == ONE_ACTION_ERROR
+        # the loss mask covers exactly what the policy produced: each reply and its end-of-turn
+        # token
+        assert ([fmt.tok.decode(r) for r in sampled_runs(t)]
+                == [fmt.tok.decode(fmt.encode(r) + [fmt.eot_id]) for r in REPLIES])
+        assert (len(t.logprobs) == len(t.token_ids)
+                and all(lp == 0 for lp, m in zip(t.logprobs, t.loss_mask) if not m))
+        # the whole row is the template's tokenisation of the conversation, up to the final
+        # reply's end-of-turn token (the last observation came after the final turn, so it is not
+        # in the row)
+        full = fmt.encode(tok.apply_chat_template(t.messages, tokenize=False,
+                                                  add_generation_prompt=True))
         assert full[:len(t.token_ids)] == t.token_ids
-        assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"], reply_ended=True)
+        assert full[len(t.token_ids):] == fmt.observation_ids(t.messages[-1]["content"],
+                                                              reply_ended=True)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-instruct", "phi-3-mini"])
@@ -115,14 +126,16 @@ def test_qwen3_history_rewriting_is_detected(textcraft_url):
     fmt = ChatFormat(tok)
     assert fmt.prefix_preserving is False
     assert ChatFormat(real_tokenizer("qwen2.5-instruct")).prefix_preserving is True
-    thinking = ["<think>\nI need wood.\n</think>\n\nAction: get 1 oak log", "<think>\nok\n</think>\n\nAction: inventory"]
+    thinking = ["<think>\nI need wood.\n</think>\n\nAction: get 1 oak log",
+                "<think>\nok\n</think>\n\nAction: inventory"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trajs = play(textcraft_url, tok, thinking)
     assert all(t.template == "mismatch" for t in trajs)
     assert any("differ from the chat template" in str(w.message) for w in caught)
     # the row still holds exactly what was sampled: the <think> blocks stay in the ids
-    assert all(sampled_runs(t)[0] == in_context(fmt, t.token_ids[:t.n_prompt], thinking[0]) + [fmt.eot_id]
+    assert all(sampled_runs(t)[0]
+               == in_context(fmt, t.token_ids[:t.n_prompt], thinking[0]) + [fmt.eot_id]
                for t in trajs)
 
 
@@ -134,10 +147,11 @@ def test_statuses_and_env_errors(textcraft_url):
     assert {t.status for t in trajs} == {"context_limit"}
     with EnvPool(textcraft_url, 2) as pool:
         rcfg = RolloutConfig(max_turns=2)
-        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft", [0, 10**6], [0, 1],
-                        rcfg, fmt=fmt)
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft",
+                        [0, 10**6], [0, 1], rcfg, fmt=fmt)
     assert trajs[0].status == "max_turns"
-    assert trajs[1].status == "env_error" and "out of range" in trajs[1].error and trajs[1].token_ids == []
+    assert (trajs[1].status == "env_error" and "out of range" in trajs[1].error
+            and trajs[1].token_ids == [])
 
 
 def test_expert_replies_finish_with_reward(textcraft_url):
@@ -165,8 +179,8 @@ def test_build_batch_and_log(tmp_path, textcraft_url):
     import json
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == 3 and rows[0]["step"] == 1 and rows[0]["max_turns"] == 3
-    assert set(rows[0]) >= {"env", "item_id", "group", "turns", "status", "reward", "messages", "token_ids",
-                            "loss_mask", "logprobs"}
+    assert set(rows[0]) >= {"env", "item_id", "group", "turns", "status", "reward", "messages",
+                            "token_ids", "loss_mask", "logprobs"}
 
 
 def test_length_buckets_keep_padding_small():
@@ -204,8 +218,8 @@ def test_hf_engine_logprobs_match_a_forward_pass(tmp_path):
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_hf_engine_samples_with_a_generator_on_the_models_device_or_the_cpu(where):
     """train.py makes its generator on torch.device(cfg.device), "cuda" without an index, while the
-    model's tensors are on "cuda:0": sampling must take it as the same device. A CPU generator drives a
-    model elsewhere too. Same seed, same samples."""
+    model's tensors are on "cuda:0": sampling must take it as the same device. A CPU generator
+    drives a model elsewhere too. Same seed, same samples."""
     from models.tiny import build_model
     torch.manual_seed(0)
     model = build_model(vocab_size=64, layers=2, hidden=32, heads=2).to(where)
@@ -224,14 +238,15 @@ def test_fewer_tasks_than_instances_leave_the_rest_idle(textcraft_url):
     fmt = ChatFormat(tok)
     with EnvPool(textcraft_url, 4) as pool:
         rcfg = RolloutConfig(max_turns=2)
-        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft", [3, 5], [7, 7],
-                        rcfg, fmt=fmt)
-        assert [(t.item_id, t.group, t.turns, t.status) for t in trajs] == [(3, 7, 2, "max_turns"), (5, 7, 2, "max_turns")]
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, REPLIES), fmt, rcfg), pool, "textcraft",
+                        [3, 5], [7, 7], rcfg, fmt=fmt)
+        assert ([(t.item_id, t.group, t.turns, t.status) for t in trajs]
+                == [(3, 7, 2, "max_turns"), (5, 7, 2, "max_turns")])
 
 
 def test_play_in_chunks_counts_ended_episodes_chunk_by_chunk(textcraft_url, capsys):
-    """Five episodes on two instances: three chunks, the last padded with a copy that is dropped; the
-    progress bar counts episodes (not chunks) and names the chunk and turn."""
+    """Five episodes on two instances: three chunks, the last padded with a copy that is dropped;
+    the progress bar counts episodes (not chunks) and names the chunk and turn."""
     from rollout import play_in_chunks
 
     class Inventory:  # a text policy: looks at its inventory until the horizon
@@ -244,17 +259,20 @@ def test_play_in_chunks_counts_ended_episodes_chunk_by_chunk(textcraft_url, caps
         def spy(turn, ended, n):
             seen.append((turn, ended, n))
             progress(turn, ended, n)
-        return rollout(Inventory(), pool, "textcraft", items, groups, RolloutConfig(max_turns=2), progress=spy)
+        return rollout(Inventory(), pool, "textcraft", items, groups, RolloutConfig(max_turns=2),
+                       progress=spy)
 
     trajs = play_in_chunks(textcraft_url, 2, [4, 5, 6, 7, 8], [0, 1, 2, 3, 4], play, desc="eval")
-    assert [t.item_id for t in trajs] == [4, 5, 6, 7, 8] and all(t.status == "max_turns" for t in trajs)
+    assert ([t.item_id for t in trajs] == [4, 5, 6, 7, 8]
+            and all(t.status == "max_turns" for t in trajs))
     assert seen == [(1, 0, 2), (2, 2, 2)] * 3  # every chunk, padded to the pool's two instances
     err = capsys.readouterr().err
     assert "5/5" in err and "chunk 3/3, turn 2" in err
 
 
 class OneStepPool:
-    """One instance whose every step ends the episode with the given value, on its server's scale."""
+    """One instance whose every step ends the episode with the given value, on its server's
+    scale."""
 
     size = 1
 

@@ -40,11 +40,14 @@ def test_decreasing_rounds_allowed():
 def test_make_schedule_forms():
     assert isinstance(make_schedule("15", every=100), FixedHorizon)
     assert isinstance(make_schedule(" 10, 20 ,30", every=100), StepwiseHorizon)
-    assert isinstance(make_schedule("10,20", every=5, kind="plateau", patience=3, window=2), PlateauHorizon)
-    assert isinstance(make_schedule("15", every=5, kind="plateau"), FixedHorizon)  # nothing to advance to
+    assert isinstance(make_schedule("10,20", every=5, kind="plateau", patience=3, window=2),
+                      PlateauHorizon)
+    # nothing to advance to
+    assert isinstance(make_schedule("15", every=5, kind="plateau"), FixedHorizon)
 
 
-@pytest.mark.parametrize("bad", ["", " ", "0", "-3", "a,b", "10,,20", "10,", ",10", "10;20", "1.5", "10,0,20"])
+@pytest.mark.parametrize("bad", ["", " ", "0", "-3", "a,b", "10,,20", "10,", ",10", "10;20", "1.5",
+                                 "10,0,20"])
 def test_make_schedule_rejects(bad):
     with pytest.raises(ValueError, match="--schedule"):
         make_schedule(bad, every=100)
@@ -72,8 +75,9 @@ def test_make_schedule_rejects_bad_every_and_kind():
 
 
 def _resume_check(make, total, resume_at, rates):
-    """Run `make()` uninterrupted; run another to `resume_at`, save its state (through JSON, as a checkpoint
-    would), load it into a fresh one and continue. Both must agree on every later step."""
+    """Run `make()` uninterrupted; run another to `resume_at`, save its state (through JSON, as a
+    checkpoint would), load it into a fresh one and continue. Both must agree on every later
+    step."""
     straight = make()
     turns_straight = []
     for step in range(1, total + 1):
@@ -109,14 +113,16 @@ def test_plateau_resume_exact(resume_at):
     # (mid-window, mid-patience, right at an advance) must continue identically
     g = random.Random(0)
     rates = [min(1.0, 0.1 * k) if k < 10 else 0.5 + 0.001 * g.random() for k in range(60)]
-    turns = _resume_check(lambda: PlateauHorizon([4, 6, 9], patience=3, min_delta=0.01, window=2), 60,
-                          resume_at, rates)
-    assert turns[0] == 4 and turns[-1] == 9 and sorted(turns) == turns  # advanced through all stages
+    turns = _resume_check(lambda: PlateauHorizon([4, 6, 9], patience=3, min_delta=0.01, window=2),
+                          60, resume_at, rates)
+    # advanced through all stages
+    assert turns[0] == 4 and turns[-1] == 9 and sorted(turns) == turns
 
 
 def test_plateau_advances_by_hand():
     s = PlateauHorizon([2, 3, 5], patience=2, min_delta=0.1, window=2)
-    # step 1: window not full; 2: mean 0.5 -> best; 3: mean 0.5 stall 1; 4: stall 2 -> stage 1 from step 5
+    # step 1: window not full; 2: mean 0.5 -> best; 3: mean 0.5 stall 1; 4: stall 2 -> stage 1 from
+    # step 5
     for step, rate in enumerate([0.5, 0.5, 0.5, 0.5], start=1):
         assert s.max_turns(step) == 2
         s.observe(step, rate)
@@ -143,7 +149,8 @@ def test_load_refuses_another_schedule():
     with pytest.raises(ValueError):
         FixedHorizon(10).load_state_dict(StepwiseHorizon([10, 20], 5).state_dict())
     state = PlateauHorizon([1, 2]).state_dict()
-    FixedHorizon(3).load_state_dict(copy.deepcopy(FixedHorizon(3).state_dict()))  # same config: fine
+    # same config: fine
+    FixedHorizon(3).load_state_dict(copy.deepcopy(FixedHorizon(3).state_dict()))
     with pytest.raises(ValueError):
         PlateauHorizon([1, 2], patience=7).load_state_dict(state)
 

@@ -1,8 +1,8 @@
-"""SciWorld environment (env_server/sciworld.py): the game list and splits (no JVM needed), then the real
-server over HTTP (`python -m env_server sciworld`, one JVM per instance): endpoints, bad input, the
-expert, score (0-100 from the server, as AgentGym's; 0-1 where the rollout reads it) and episode ends,
-the JVM cap, and a killed JVM. JVMs are slow to start (~2 s), so one server, capped at two JVMs, serves
-the whole file and one shared instance plays the games."""
+"""SciWorld environment (env_server/sciworld.py): the game list and splits (no JVM needed), then the
+real server over HTTP (`python -m env_server sciworld`, one JVM per instance): endpoints, bad input,
+the expert, score (0-100 from the server, as AgentGym's; 0-1 where the rollout reads it) and episode
+ends, the JVM cap, and a killed JVM. JVMs are slow to start (~2 s), so one server, capped at two
+JVMs, serves the whole file and one shared instance plays the games."""
 
 import argparse
 import importlib.util
@@ -22,7 +22,8 @@ from env_server.sciworld import EXCLUDED_TYPES, SciWorldEnv
 from rollout import Reply, RolloutConfig, rollout
 
 MAX_JVMS = 2  # the shared instance's and one more
-MISSING = ("the scienceworld package is not installed" if importlib.util.find_spec("scienceworld") is None
+MISSING = ("the scienceworld package is not installed"
+           if importlib.util.find_spec("scienceworld") is None
            else "java is not on PATH" if shutil.which("java") is None else None)
 needs_jvm = pytest.mark.skipif(MISSING is not None, reason=f"ScienceWorld cannot run: {MISSING}")
 
@@ -40,7 +41,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    """The instance that plays the games: its JVM lives from the first test that uses it to the end."""
+    """The instance that plays the games: its JVM lives from the first test that uses it to the
+    end."""
     c = EnvClient(server.url)
     c.reset(0)
     yield c
@@ -69,7 +71,8 @@ def test_game_list_as_upstream(world):
     assert SciWorldEnv.num_tasks(world) == len(world.games) == 4639
     assert len(world.codes) == 23 and not set(world.codes.values()) & set(EXCLUDED_TYPES)
     # The package's order (1-1 ... 8-2), every variation in turn: the ids upstream's list gives.
-    assert world.games[0] == ("boil", 0) and world.games[29] == ("boil", 29) and world.games[30] == ("melt", 0)
+    assert (world.games[0] == ("boil", 0) and world.games[29] == ("boil", 29)
+            and world.games[30] == ("melt", 0))
     assert world.games[-1] == ("identify-life-stages-2", 9)
     assert world.games[-11] == ("identify-life-stages-1", 13)
     assert SciWorldEnv.task_category(world, 30) == "melt"
@@ -81,12 +84,14 @@ def test_splits_are_the_package_variation_splits(world):
     assert {k: len(v) for k, v in splits.items()} == {"train": 2312, "dev": 1156, "test": 1171}
     assert sorted(sum(splits.values(), [])) == list(range(4639))
     boil_test = [world.games[i] for i in splits["test"] if world.games[i][0] == "boil"]
-    assert boil_test == [("boil", v) for v in range(21, 30)]  # the package's test variations of boil
+    # the package's test variations of boil
+    assert boil_test == [("boil", v) for v in range(21, 30)]
 
 
 def test_jvm_flags():
     assert SciWorldEnv.load_world(argparse.Namespace(max_jvms=3, jvm_heap_mb=256)).max_jvms == 3
-    assert 1 <= SciWorldEnv.load_world().max_jvms <= 128  # default: what fits in this machine's memory
+    # default: what fits in this machine's memory
+    assert 1 <= SciWorldEnv.load_world().max_jvms <= 128
     for bad in ({"max_jvms": 0, "jvm_heap_mb": 512}, {"max_jvms": None, "jvm_heap_mb": 16}):
         with pytest.raises(ValueError, match="--max-jvms must be at least 1"):
             SciWorldEnv.load_world(argparse.Namespace(**bad))
@@ -95,7 +100,8 @@ def test_jvm_flags():
 # ---- one in-process instance: the shipped table against the package, the JVM's life ----
 @needs_jvm
 def test_shipped_table_matches_the_package_and_close_stops_the_jvm(world, monkeypatch):
-    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)  # restored afterwards: the JVM start sets it
+    # restored afterwards: the JVM start sets it
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)
     env = SciWorldEnv(world)
     assert env.detail()["jvm_pid"] is None  # no JVM before the first reset
     alive = SciWorldEnv._jvms_alive
@@ -113,9 +119,11 @@ def test_shipped_table_matches_the_package_and_close_stops_the_jvm(world, monkey
             sw.load(name, 0, "")
             ids = [i for i, g in enumerate(world.games) if g[0] == name]
             assert len(ids) == sw.get_max_variations(name), name
-            for split, variations in (("train", sw.get_variations_train()), ("dev", sw.get_variations_dev()),
+            for split, variations in (("train", sw.get_variations_train()),
+                                      ("dev", sw.get_variations_dev()),
                                       ("test", sw.get_variations_test())):
-                assert [world.games[i][1] for i in ids if split_of[i] == split] == list(variations), name
+                assert ([world.games[i][1] for i in ids if split_of[i] == split]
+                        == list(variations)), name
     finally:
         env.close()
     assert SciWorldEnv._jvms_alive == alive
@@ -138,19 +146,23 @@ def test_every_endpoint(server, world):
         assert (r["task_name"], r["var_num"]) == world.games[task]  # upstream's answer, key for key
         description, look = r["task_description"], r["observation"]  # apart, as upstream sends them
         assert description.startswith("Your task is to find a(n) living thing.")
-        assert look.startswith("This room is called the ")  # "look around", played by reset as upstream
+        # "look around", played by reset as upstream
+        assert look.startswith("This room is called the ")
         assert raw(url, "GET", f"/observation?id={iid}") == (200, look)
         status, actions = raw(url, "GET", f"/available_actions?id={iid}")
         assert status == 200 and {"look around", "focus on OBJ", "move OBJ to OBJ"} <= set(actions)
         status, d = raw(url, "GET", f"/detail?id={iid}")
         assert status == 200 and d["task"] == task and d["task_description"] == description
-        assert (d["task_type"], d["task_number"], d["variation"]) == ("find-living-thing", "4-1", world.games[task][1])
-        assert (d["score"], d["steps"], d["moves"], d["done"], d["completed"]) == (0, 0, 0, False, False)
+        assert ((d["task_type"], d["task_number"], d["variation"])
+                == ("find-living-thing", "4-1", world.games[task][1]))
+        assert ((d["score"], d["steps"], d["moves"], d["done"], d["completed"])
+                == (0, 0, 0, False, False))
         status, s = raw(url, "POST", "/step", {"id": iid, "action": "dance wildly"})
         assert status == 200 and s["observation"] == "No known action matches that input."
         assert (s["reward"], s["score"], s["done"]) == (0, 0, False)
         status, a = raw(url, "GET", f"/expert_action?id={iid}")
-        assert status == 200 and isinstance(a, str) and a  # an unknown command did not leave the gold path
+        # an unknown command did not leave the gold path
+        assert status == 200 and isinstance(a, str) and a
         status, s = raw(url, "POST", "/step", {"id": iid, "action": a})
         assert status == 200 and set(s["info"]) == {"moves", "completed"}
         assert raw(url, "GET", f"/detail?id={iid}")[1]["steps"] == 2
@@ -200,7 +212,8 @@ def test_expert_solves_a_test_task(client, world, task_type):
 def test_expert_after_free_actions_and_after_leaving_the_path(client, world):
     client.reset(first_test_id(world, "find-plant"))
     first = client.expert_action()
-    for free in ("inventory", "look around", "fly away"):  # take no simulated time: still on the path
+    # take no simulated time: still on the path
+    for free in ("inventory", "look around", "fly away"):
         assert client.step(free).raw["info"]["moves"] == 0
         assert client.expert_action() == first
     client.step(first)
@@ -212,7 +225,8 @@ def test_expert_after_free_actions_and_after_leaving_the_path(client, world):
 
 @needs_jvm
 def test_expert_asked_mid_episode_replays_the_episode(client, world):
-    task = first_test_id(world, "use-thermometer")  # its gold path starts the same way in every load
+    # its gold path starts the same way in every load
+    task = first_test_id(world, "use-thermometer")
     client.reset(task)
     first = client.expert_action()
     client.step(first)
@@ -230,15 +244,16 @@ def test_expert_asked_mid_episode_replays_the_episode(client, world):
 def test_negative_score_ends_the_episode(client, world):
     client.reset(first_test_id(world, "find-living-thing"))
     step = client.step("focus on agent")  # the wrong thing to focus on: the game fails the task
-    assert step.done and step.reward == -100 and (step.raw["score"], step.raw["reward"]) == (-100, -100)
+    assert (step.done and step.reward == -100
+            and (step.raw["score"], step.raw["reward"]) == (-100, -100))
     with pytest.raises(EnvError) as e:
         client.step("look around")
     assert e.value.status == 409
 
 
 class ExpertReplies:
-    """A text policy that answers each instance's expert action in the prompt's format, and keeps the
-    reward each trajectory holds when asked (the reward after the turn before)."""
+    """A text policy that answers each instance's expert action in the prompt's format, and keeps
+    the reward each trajectory holds when asked (the reward after the turn before)."""
 
     def __init__(self, pool):
         self.pool, self.seen = pool, []
@@ -266,8 +281,9 @@ class RecordingPool:
 
 @needs_jvm
 def test_server_scores_0_to_100_and_the_rollout_reads_0_to_1(server, client, world):
-    """The server's `score` is AgentGym's 0-100 integer and `reward` its change; the client's Step keeps
-    the server's value; the trajectory's reward (what train.py and eval.py read) is that score / 100."""
+    """The server's `score` is AgentGym's 0-100 integer and `reward` its change; the client's Step
+    keeps the server's value; the trajectory's reward (what train.py and eval.py read) is that
+    score / 100."""
     task = first_test_id(world, "find-living-thing")
     with EnvPool(server.url, 1) as pool:  # its instance takes the JVM the shared one leaves
         rec, policy = RecordingPool(pool), ExpertReplies(pool)
@@ -280,7 +296,8 @@ def test_server_scores_0_to_100_and_the_rollout_reads_0_to_1(server, client, wor
     assert any(0 < v < 100 for v in scores), scores  # sub-goal credit along the way
     assert [s.raw["reward"] for s in rec.steps] == [b - a for a, b in zip([0] + scores, scores)]
     assert [s.reward for s in rec.steps] == scores  # the client's Step: the server's scale
-    assert [seen for seen, in policy.seen[1:]] == [v / 100 for v in scores[:-1]]  # the trainer's: 0-1
+    # the trainer's: 0-1
+    assert [seen for seen, in policy.seen[1:]] == [v / 100 for v in scores[:-1]]
     assert done.status == "done" and done.reward == 1.0
 
 

@@ -1,5 +1,6 @@
-"""SearchQA: answer scoring, observations in upstream's form, BM25 retrieval and its on-disk cache, the
-remote retriever against a stub, the question loader, bad flags, the expert in-process and over HTTP."""
+"""SearchQA: answer scoring, observations in upstream's form, BM25 retrieval and its on-disk cache,
+the remote retriever against a stub, the question loader, bad flags, the expert in-process and over
+HTTP."""
 
 import argparse
 import dataclasses
@@ -19,14 +20,16 @@ from env_client import EnvClient
 from env_server import searchqa_data
 from env_server.app import ServerProcess, serve_wsgi_in_thread
 from env_server.base import TaskError
-from env_server.searchqa import (CORPUS_PATH, CORRECT, INVALID, PROMPT, QA_PATH, WRONG, BM25Index, Passage,
-                                 RemoteRetriever, RetrievalError, SearchQAEnv, exact_match, format_passages,
-                                 normalize_answer, read_questions)
+from env_server.searchqa import (CORPUS_PATH, CORRECT, INVALID, PROMPT, QA_PATH, WRONG, BM25Index,
+                                 Passage, RemoteRetriever, RetrievalError, SearchQAEnv, exact_match,
+                                 format_passages, normalize_answer, read_questions)
 
 
 def world_with(**flags):
-    """A world from these flags (the rest at their defaults), as `python -m env_server searchqa` builds it."""
-    defaults = {"corpus": None, "qa": None, "retriever_url": None, "index_dir": None, "topk": 3, "max_steps": 30}
+    """A world from these flags (the rest at their defaults), as `python -m env_server searchqa`
+    builds it."""
+    defaults = {"corpus": None, "qa": None, "retriever_url": None, "index_dir": None, "topk": 3,
+                "max_steps": 30}
     return SearchQAEnv.load_world(argparse.Namespace(**{**defaults, **flags}))
 
 
@@ -54,14 +57,17 @@ def find(world, source, hops=None):
 # ---- the shipped data ----
 def test_shipped_data_is_the_generators_output(tmp_path):
     searchqa_data.main(["--out", str(tmp_path)])
-    for name, shipped in [(searchqa_data.CORPUS_FILE, CORPUS_PATH), (searchqa_data.QA_FILE, QA_PATH)]:
+    for name, shipped in [(searchqa_data.CORPUS_FILE, CORPUS_PATH),
+                          (searchqa_data.QA_FILE, QA_PATH)]:
         with open(tmp_path / name, "rb") as a, open(shipped, "rb") as b:
-            assert a.read() == b.read(), f"{shipped} is stale: run python -m env_server.searchqa_data"
+            assert a.read() == b.read(), (
+                f"{shipped} is stale: run python -m env_server.searchqa_data")
         assert os.path.getsize(shipped) < 200_000
     docs = [json.loads(x) for x in open(CORPUS_PATH)]
     rows = [json.loads(x) for x in open(QA_PATH)]
     assert len(docs) == 288 and len({d["title"] for d in docs}) == len(docs)
-    assert {r["data_source"] for r in rows} == {"synthetic_1hop", "synthetic_2hop"} and len(rows) == 360
+    assert ({r["data_source"] for r in rows} == {"synthetic_1hop", "synthetic_2hop"}
+            and len(rows) == 360)
     assert len({r["question"] for r in rows}) == len(rows)
     assert all(len(r["hops"]) == (1 if r["data_source"] == "synthetic_1hop" else 2) for r in rows)
     # the answer is on the last hop's page; a two-hop question's first page names the bridge
@@ -87,7 +93,8 @@ def test_normalised_exact_match():
     assert normalize_answer("  The  Essel-River! ") == "esselriver"
     assert normalize_answer("An Apple, a Day") == "apple day"
     assert exact_match("the velmora", ["Velmora"]) and exact_match("VELMORA.", ["Velmora"])
-    assert exact_match("Essel", ["Essel River", "Essel"]) and exact_match("essel river", ["Essel River", "Essel"])
+    assert (exact_match("Essel", ["Essel River", "Essel"])
+            and exact_match("essel river", ["Essel River", "Essel"]))
     assert exact_match("O. Vantrask", ["Oriel Vantrask", "O. Vantrask"])
     assert not exact_match("Velmora town", ["Velmora"]) and not exact_match("", ["Velmora"])
     assert not exact_match("Theodore", ["Odore"])  # articles go only as whole words
@@ -95,14 +102,17 @@ def test_normalised_exact_match():
 
 
 def test_answers_right_wrong_and_any_gold(world):
-    idx = next(i for i, q in enumerate(world.questions) if q.source == "synthetic_2hop" and len(q.answers) > 1)
+    idx = next(i for i, q in enumerate(world.questions)
+               if q.source == "synthetic_2hop" and len(q.answers) > 1)
     q = world.questions[idx]
     env, _ = start(world, idx)
     r = env.step("<answer>Nowhere In Particular</answer>")
     assert (r.observation, r.reward, r.done) == (WRONG, 0.0, False)
-    r = env.step(f"<answer> the {q.answers[1].upper()}! </answer>")  # the alias, shouted, with an article
+    # the alias, shouted, with an article
+    r = env.step(f"<answer> the {q.answers[1].upper()}! </answer>")
     assert (r.observation, r.reward, r.done) == (CORRECT, 1.0, True)
-    assert env.detail()["reward"] == 1.0 and env.detail()["steps"] == 2 and env.expert_action() is None
+    assert (env.detail()["reward"] == 1.0 and env.detail()["steps"] == 2
+            and env.expert_action() is None)
     with pytest.raises(TaskError) as e:
         env.step("<answer>again</answer>")
     assert e.value.status == 409
@@ -113,12 +123,14 @@ def test_first_observation_and_search_observation(world):
     idx = find(world, "synthetic_2hop")
     q = world.questions[idx]
     env, first = start(world, idx)
-    assert first == PROMPT.format(question=q.question) and first.endswith(f"\n\nQuestion: {q.question}")
+    assert (first == PROMPT.format(question=q.question)
+            and first.endswith(f"\n\nQuestion: {q.question}"))
     assert first.startswith("Think inside <think>...</think>")
     assert env.observation() == first
     r = env.step(f"<search> {q.hops[0].query} </search>")
     assert (r.reward, r.done) == (0.0, False)
-    assert r.observation.startswith('<information>Doc 1(Title: "') and r.observation.endswith("</information>")
+    assert (r.observation.startswith('<information>Doc 1(Title: "')
+            and r.observation.endswith("</information>"))
     lines = r.observation[len("<information>"):-len("</information>")].split("\n")
     assert [ln[:len("Doc 1(Title: ")] for ln in lines] == [f"Doc {i}(Title: " for i in (1, 2, 3)]
     assert env.observation() == r.observation and env.detail()["searches"] == [q.hops[0].query]
@@ -137,7 +149,8 @@ def test_invalid_actions_and_no_match(world):
         r = env.step(action)
         assert (r.observation, r.reward, r.done) == (INVALID, 0.0, False), action
     # the first block counts, as the client sends it; words found nowhere return no passages
-    assert env.step("<search>qqqqzz xxyyzz</search><answer>x</answer>").observation == "<information></information>"
+    assert (env.step("<search>qqqqzz xxyyzz</search><answer>x</answer>").observation
+            == "<information></information>")
     assert env.step("<search></search>").observation == "<information></information>"
     assert env.available_actions() == ["<search>query</search>", "<answer>answer</answer>"]
 
@@ -149,13 +162,15 @@ def test_step_limit_ends_the_episode(world):
     r = env.step("<search>Velmora</search>")
     assert r.done and r.reward == 0.0 and r.info == {"truncated": True}
     env.reset(0)  # a finished instance can start again
-    assert env.detail()["done"] is False and env.detail()["steps"] == 0 and env.detail()["searches"] == []
+    assert (env.detail()["done"] is False and env.detail()["steps"] == 0
+            and env.detail()["searches"] == [])
 
 
 def test_caller_mistakes_are_task_errors(world):
     env = SearchQAEnv(world)
     for call, status in [(lambda: env.step("<search>x</search>"), 409), (env.observation, 409),
-                         (lambda: env.reset(360), 404), (lambda: env.reset(-1), 404), (lambda: env.reset("3"), 400),
+                         (lambda: env.reset(360), 404), (lambda: env.reset(-1), 404),
+                         (lambda: env.reset("3"), 400),
                          (lambda: env.reset(True), 400)]:
         with pytest.raises(TaskError) as e:
             call()
@@ -170,7 +185,8 @@ def test_caller_mistakes_are_task_errors(world):
 def test_expert_searches_find_the_gold_page(world):
     hops = [(q.source, h) for q in world.questions for h in q.hops]
     t0 = time.perf_counter()
-    hits = {src: [h.doc in {p.doc_id for p in world.retriever.search(h.query, 3)} for s, h in hops if s == src]
+    hits = {src: [h.doc in {p.doc_id for p in world.retriever.search(h.query, 3)}
+                  for s, h in hops if s == src]
             for src in ("synthetic_1hop", "synthetic_2hop")}
     ms = (time.perf_counter() - t0) / len(hops) * 1e3
     rates = {s: sum(v) / len(v) for s, v in hits.items()}
@@ -236,9 +252,11 @@ def test_remote_retriever_speaks_search_r1s_api(world, stub_retriever):
         a = env.expert_action()
         assert a == local_env.expert_action()
         r, r_local = env.step(a), local_env.step(a)
-        assert (r.observation, r.reward, r.done) == (r_local.observation, r_local.reward, r_local.done)
+        assert ((r.observation, r.reward, r.done)
+                == (r_local.observation, r_local.reward, r_local.done))
     assert r.done and r.reward == 1.0
-    assert seen[0] == {"queries": [world.questions[idx].hops[0].query], "topk": 3, "return_scores": True}
+    assert seen[0] == {"queries": [world.questions[idx].hops[0].query], "topk": 3,
+                       "return_scores": True}
     with pytest.raises(RetrievalError, match="HTTP 500"):
         remote.retriever.search("fail", 3)
     with pytest.raises(RetrievalError, match="unreadable"):
@@ -255,31 +273,39 @@ def write_jsonl(path, rows):
 
 
 def test_question_files_split_rule_and_prefixes(tmp_path):
-    rows = [{"question": f"q{i}?", "golden_answers": [f"a{i}"], "data_source": "nq" if i % 2 else "hotpotqa"}
+    rows = [{"question": f"q{i}?", "golden_answers": [f"a{i}"],
+             "data_source": "nq" if i % 2 else "hotpotqa"}
             for i in range(20)]
     plain = write_jsonl(tmp_path / "mixed.jsonl", rows)
     questions, splits = read_questions([plain])
     assert [q.question for q in questions] == [r["question"] for r in rows]  # file order
-    assert splits["test"] == [0, 1, 10, 11] and len(splits["train"]) == 16  # rows 0, 5 of each source
+    # rows 0, 5 of each source
+    assert splits["test"] == [0, 1, 10, 11] and len(splits["train"]) == 16
     test = write_jsonl(tmp_path / "test.jsonl", [{"question": "t?", "golden_answers": ["x"]}])
     questions, splits = read_questions([f"test={test}", f"train={plain}"])
     assert splits == {"test": [0], "train": list(range(1, 21))}
-    assert questions[0].source == "test" and questions[0].qid == "test.jsonl:1"  # defaults: file stem, place
-    assert [h.query for h in questions[0].hops] == ["t?"]  # no route in the data: search the question
+    # defaults: file stem, place
+    assert questions[0].source == "test" and questions[0].qid == "test.jsonl:1"
+    # no route in the data: search the question
+    assert [h.query for h in questions[0].hops] == ["t?"]
 
 
 def test_user_files_and_expert_without_hops(tmp_path, index_dir):
     corpus = write_jsonl(tmp_path / "wiki.jsonl", [  # Search-R1's own corpus format
         {"id": "0", "contents": '"Velmora"\nVelmora is a town on the Essel River.'},
         {"id": "1", "contents": '"Quenbury"\nQuenbury is a town on the Tarn River.'}])
-    qa = write_jsonl(tmp_path / "qa.jsonl", [{"id": "x1", "question": "Which river flows through Velmora",
-                                              "golden_answers": ["Essel River", "Essel"], "data_source": "toy"}])
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"id": "x1",
+                                              "question": "Which river flows through Velmora",
+                                              "golden_answers": ["Essel River", "Essel"],
+                                              "data_source": "toy"}])
     w = world_with(corpus=corpus, qa=[qa], index_dir=index_dir, topk=1)
     env, first = start(w, 0)
     assert first.endswith("Question: Which river flows through Velmora")
     r = env.step(env.expert_action())
-    assert r.observation == '<information>Doc 1(Title: "Velmora") Velmora is a town on the Essel River.</information>'
-    assert env.expert_action() == "<answer>Essel River</answer>" and env.step("<answer>essel</answer>").done
+    assert r.observation == ('<information>Doc 1(Title: "Velmora") Velmora is a town on the '
+                             'Essel River.</information>')
+    assert (env.expert_action() == "<answer>Essel River</answer>"
+            and env.step("<answer>essel</answer>").done)
     assert SearchQAEnv.task_category(w, 0) == "toy" and env.detail()["qid"] == "x1"
 
 
@@ -289,7 +315,8 @@ def test_bad_flags_and_files_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--qa: no such file: /no/such/qa.jsonl"):
         world_with(qa=["/no/such/qa.jsonl"])
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q?", "golden_answers": ["a"]}\n{"question": "q2?", "golden_answers": "a"}\n')
+    bad.write_text('{"question": "q?", "golden_answers": ["a"]}\n'
+                   '{"question": "q2?", "golden_answers": "a"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: 'golden_answers' must be a non-empty list"):
         world_with(qa=[str(bad)])
     bad.write_text('{"id": 1, "title": "T"}\n')
@@ -304,7 +331,8 @@ def test_bad_flags_and_files_are_clear_errors(tmp_path):
         world_with(corpus=CORPUS_PATH, retriever_url="http://127.0.0.1:8000/retrieve")
     with pytest.raises(ValueError, match="--retriever-url must be an http"):
         world_with(retriever_url="localhost:8000")
-    out = subprocess.run([sys.executable, "-m", "env_server", "searchqa", "--qa", "/no/such/qa.jsonl"],
+    out = subprocess.run([sys.executable, "-m", "env_server", "searchqa",
+                          "--qa", "/no/such/qa.jsonl"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "--qa: no such file: /no/such/qa.jsonl" in out.stderr
 
@@ -357,7 +385,8 @@ def test_over_http_errors_and_details(server):
     first = c.reset(200)
     assert "Question: " in first and c.observation() == first
     d = c.detail()
-    assert d["task"] == 200 and d["category"] == "synthetic_2hop" and d["steps"] == 0 and d["done"] is False
+    assert (d["task"] == 200 and d["category"] == "synthetic_2hop" and d["steps"] == 0
+            and d["done"] is False)
     assert c.available_actions() == ["<search>query</search>", "<answer>answer</answer>"]
     s = c.step("<answer>surely not</answer>")
     assert (s.observation, s.reward, s.done) == (WRONG, 0.0, False)
@@ -365,13 +394,17 @@ def test_over_http_errors_and_details(server):
     assert c.id_key == "env_idx"  # the client's create carries AgentGym's `id`: a bare id came back
     assert raw(server.url, "POST", "/step", {"id": iid, "action": 5})[0] == 400
     assert raw(server.url, "POST", "/reset", {"id": iid, "data_idx": 360})[0] == 400
-    status, obs = raw(server.url, "POST", "/reset", {"env_idx": iid, "id": 3})  # AgentGym's dialect: bare
+    # AgentGym's dialect: bare
+    status, obs = raw(server.url, "POST", "/reset", {"env_idx": iid, "id": 3})
     assert status == 200 and isinstance(obs, str) and "Question: " in obs
-    status, r = raw(server.url, "POST", "/reset", {"id": iid, "data_idx": 3})  # the project's: an object
+    # the project's: an object
+    status, r = raw(server.url, "POST", "/reset", {"id": iid, "data_idx": 3})
     assert status == 200 and r["observation"] == obs
     for path, body, code in [("/create", {"id": 360}, 400), ("/create", {"id": "3"}, 400),
-                             ("/reset", {"env_idx": iid}, 400), ("/reset", {"env_idx": iid, "id": 360}, 400),
-                             ("/reset", {"env_idx": 10**12, "id": 3}, 404), ("/step", {"env_idx": iid}, 400)]:
+                             ("/reset", {"env_idx": iid}, 400),
+                             ("/reset", {"env_idx": iid, "id": 360}, 400),
+                             ("/reset", {"env_idx": 10**12, "id": 3}, 404),
+                             ("/step", {"env_idx": iid}, 400)]:
         status, e = raw(server.url, "POST", path, body)
         assert status == code and "error" in e, (path, body, status, e)
     c.close()

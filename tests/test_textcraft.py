@@ -1,4 +1,5 @@
-"""TextCraft in-process: grammar, observations, rewards, determinism, the expert, splits, the loaders."""
+"""TextCraft in-process: grammar, observations, rewards, determinism, the expert, splits, the
+loaders."""
 
 import argparse
 import json
@@ -11,14 +12,16 @@ import pytest
 
 from env_server.base import TaskError
 from env_server.textcraft import TextCraftEnv, task_commands
-from env_server.textcraft_world import BOOK_PATH, SPLITS_PATH, build_world, read_datapack, read_recipe_book, split_rule
+from env_server.textcraft_world import (BOOK_PATH, SPLITS_PATH, build_world, read_datapack,
+                                        read_recipe_book, split_rule)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_RECIPES = (os.environ.get("TEXTCRAFT_RECIPES")
                   or os.path.join(ROOT, "..", "shared", "textcraft-recipes"))
 needs_shared = pytest.mark.skipif(
     not os.path.isdir(SHARED_RECIPES),
-    reason=f"upstream's recipe folder not found at {SHARED_RECIPES} (set TEXTCRAFT_RECIPES to point at it)")
+    reason=f"upstream's recipe folder not found at {SHARED_RECIPES} "
+           f"(set TEXTCRAFT_RECIPES to point at it)")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,8 @@ def test_builtin_book_shape(world):
 
 def test_depths_follow_the_recipe_tree(world):
     d = {name: world.depth["minecraft:" + name] for name in
-         ["oak_log", "oak_planks", "stick", "dark_oak_sign", "redstone_torch", "activator_rail", "planks"]}
+         ["oak_log", "oak_planks", "stick", "dark_oak_sign", "redstone_torch", "activator_rail",
+          "planks"]}
     assert d == {"oak_log": 0, "oak_planks": 1, "stick": 2, "dark_oak_sign": 3, "redstone_torch": 3,
                  "activator_rail": 4, "planks": 1}
     idx = world.goals.index("minecraft:activator_rail")
@@ -67,7 +71,8 @@ def test_first_observation_lists_tree_and_distractors(world):
     assert head.startswith("Crafting commands:\n") and goal_line == "Goal: craft dark oak sign."
     commands = head.split("\n")[1:]
     assert commands == env.commands and len(set(commands)) == len(commands)
-    tree = {"craft 3 dark oak sign using 6 dark oak planks, 1 stick", "craft 4 stick using 2 planks",
+    tree = {"craft 3 dark oak sign using 6 dark oak planks, 1 stick",
+            "craft 4 stick using 2 planks",
             "craft 4 dark oak planks using 1 dark oak log", "craft 4 oak planks using 1 oak log"}
     assert tree <= set(commands)
     n_tree = 2 + 8  # sign, stick, and the 8 planks recipes that the tag "planks" stands for
@@ -95,18 +100,21 @@ def test_get_and_inventory(world):
 def test_craft_rules(world):
     env, _ = start(world, "dark oak sign")
     env.step("get 2 dark oak log")
-    assert obs(env, "craft 4 dark oak planks using 1 dark oak log") == "Crafted 4 minecraft:dark_oak_planks"
+    assert (obs(env, "craft 4 dark oak planks using 1 dark oak log")
+            == "Crafted 4 minecraft:dark_oak_planks")
     # missing ingredients are reported before the recipe is checked
     missing = "Could not find enough items to craft minecraft:stick"
     assert obs(env, "craft 4 stick using 2 oak planks") == missing
     assert obs(env, "craft 4 stick using 2 planks") == missing  # a tag name is never held
-    assert obs(env, "craft 4 planks using 5 dark oak log") == "Could not find enough items to craft None"
+    assert (obs(env, "craft 4 planks using 5 dark oak log")
+            == "Could not find enough items to craft None")
     # held, but not a recipe: upstream's exact wording
     assert obs(env, "craft 4 stick using 1 dark oak planks") == (
         "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
         "item_id='minecraft:stick'), count=4)")
     assert obs(env, "craft 4 planks using 1 dark oak log") == (
-        "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag='minecraft:planks', "
+        "Could not find a valid recipe for ItemTagWithCount("
+        "item_tag=ItemTag(tag='minecraft:planks', "
         "item_id=None), count=4)")
     assert obs(env, "craft 4 stick using planks") == "Wrong item format: planks"
     # a member of the group stands for the tag; the batch is the recipe's, whatever N says
@@ -120,10 +128,12 @@ def test_no_scaling_one_craft_is_one_batch(world):
     env.step("craft 4 oak planks using 1 oak log")
     env.step("craft 4 oak planks using 1 oak log")
     before = dict(env.inventory)
-    # 8 sticks would be two batches: counts must equal the recipe's, so this fails and nothing is used
+    # 8 sticks would be two batches: counts must equal the recipe's, so this fails and nothing is
+    # used
     assert obs(env, "craft 8 stick using 4 oak planks").startswith("Could not find a valid recipe")
     assert env.inventory == before
-    assert obs(env, "craft 4 stick using 2 oak planks, 2 oak planks").startswith("Could not find a valid")
+    assert obs(env, "craft 4 stick using 2 oak planks, 2 oak planks").startswith(
+        "Could not find a valid")
     assert obs(env, "craft 4 stick using 2 oak planks, 1 stick").startswith("Could not find enough")
     assert obs(env, "craft 4 stick using 2 oak planks") == "Crafted 4 minecraft:stick"
     assert env.detail()["inventory"] == {"oak planks": 6, "stick": 4}
@@ -158,10 +168,12 @@ def test_detail_and_available_actions(world):
     env, _ = start(world, "lantern")
     d = env.detail()
     assert {k: d[k] for k in ["goal", "depth", "category", "done", "reward", "steps"]} == {
-        "goal": "lantern", "depth": 4, "category": "depth_4", "done": False, "reward": 0.0, "steps": 0}
+        "goal": "lantern", "depth": 4, "category": "depth_4", "done": False, "reward": 0.0,
+        "steps": 0}
     assert d["commands"] == env.commands and d["inventory"] == {}
     json.dumps(d)
-    assert env.available_actions() == ["get N item", "craft N item using N ingredient, N ingredient",
+    assert env.available_actions() == ["get N item",
+                                       "craft N item using N ingredient, N ingredient",
                                        "inventory"]
 
 
@@ -182,8 +194,8 @@ def test_same_tasks_in_every_process():
     runs = []
     for seed in ["0", "12345"]:
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        p = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
-                           check=True)
+        p = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
+                           text=True, check=True)
         runs.append(p.stdout)
     assert runs[0] == runs[1]
     w = TextCraftEnv.load_world(None)
@@ -198,7 +210,8 @@ def run_expert(world, idx, max_turns=100):
     for turn in range(1, max_turns + 1):
         action = env.expert_action()
         r = env.step(action)
-        assert r.observation.startswith(("Got ", "Crafted ")), (world.goals[idx], action, r.observation)
+        assert r.observation.startswith(("Got ", "Crafted ")), (world.goals[idx], action,
+                                                                r.observation)
         if r.done:
             return turn
     raise AssertionError(f"expert did not finish {world.goals[idx]}")
@@ -239,44 +252,53 @@ def test_expert_thought_walks_from_the_goal_to_the_action(world):
         seen.append((action, thought))
         env.step(action)
     assert seen == [
-        ("get 1 jungle log", "jungle button using 1 jungle planks; jungle planks using 1 jungle log."),
+        ("get 1 jungle log",
+         "jungle button using 1 jungle planks; jungle planks using 1 jungle log."),
         ("craft 4 jungle planks using 1 jungle log",
          "jungle button using 1 jungle planks; jungle planks using 1 jungle log."),
         ("craft 1 jungle button using 1 jungle planks", "jungle button using 1 jungle planks.")]
-    # every expert step of every training task has a thought that ends at the item it gets or crafts
+    # every expert step of every training task has a thought that ends at the item it gets or
+    # crafts
     for idx in TextCraftEnv.splits(world)["train"][::7]:
         env = TextCraftEnv(world)
         env.reset(idx)
         while not env.done:
             action = env.expert_action()
             last = env.expert_thought(action).rstrip(".").split("; ")[-1]
-            item = action.split(" using ")[0].split(" ", 2)[2] if action.startswith("craft") else None
-            assert last.startswith(f"{item} using ") if item else last.endswith(action.split(" ", 2)[2]) \
-                or f" {action.split(' ', 2)[2]}," in last, (action, last)
+            item = (action.split(" using ")[0].split(" ", 2)[2] if action.startswith("craft")
+                    else None)
+            assert (last.startswith(f"{item} using ") if item
+                    else last.endswith(action.split(" ", 2)[2])
+                    or f" {action.split(' ', 2)[2]}," in last), (action, last)
             env.step(action)
 
 
 def test_checked_thought_says_which_ingredients_a_listed_command_crafts(world):
     env, first = start(world, "jungle button")
     assert env.expert_thought("get 1 jungle log", checked=True) == (
-        "jungle button using 1 jungle planks (jungle planks: craft); jungle planks using 1 jungle log (jungle log: get).")
-    # on a spread of training tasks: each recipe's ingredients, in order, marked `craft` exactly where a
-    # command of the task's own list makes the item or a member of its tag (read here from the text)
+        "jungle button using 1 jungle planks (jungle planks: craft); "
+        "jungle planks using 1 jungle log (jungle log: get).")
+    # on a spread of training tasks: each recipe's ingredients, in order, marked `craft` exactly
+    # where a command of the task's own list makes the item or a member of its tag (read here from
+    # the text)
     for idx in TextCraftEnv.splits(world)["train"][::9]:
         env = TextCraftEnv(world)
         first = env.reset(idx)
-        made = {line.split(" using ")[0].split(" ", 2)[2] for line in first.splitlines() if line.startswith("craft ")}
+        made = {line.split(" using ")[0].split(" ", 2)[2] for line in first.splitlines()
+                if line.startswith("craft ")}
         while not env.done:
             action = env.expert_action()
             plain, checked = env.expert_thought(action), env.expert_thought(action, checked=True)
             parts = checked.rstrip(".").split("; ")
             assert [p.split(" (")[0] for p in parts] == plain.rstrip(".").split("; "), checked
             for part in parts:
-                ingredients = [i.split(" ", 1)[1] for i in part.split(" using ")[1].split(" (")[0].split(", ")]
+                ingredients = [i.split(" ", 1)[1]
+                               for i in part.split(" using ")[1].split(" (")[0].split(", ")]
                 marks = dict(m.split(": ") for m in part.split(" (")[1].rstrip(")").split(", "))
                 assert list(marks) == ingredients, part
                 for name, kind in marks.items():
-                    crafted = name in made or any(m.endswith(" " + name) for m in made if name in world_tags(world))
+                    crafted = name in made or any(m.endswith(" " + name) for m in made
+                                                  if name in world_tags(world))
                     assert kind == ("craft" if crafted else "get"), (part, name)
             env.step(action)
 
@@ -290,7 +312,8 @@ def world_tags(world) -> set:
 def check_splits(world, splits):
     train, test = set(splits["train"]), set(splits["test"])
     assert not train & test and train | test == set(range(len(world.goals)))
-    for d in {world.depth[g] for g in world.goals}:  # stratified: every depth in both parts, ~20% test
+    # stratified: every depth in both parts, ~20% test
+    for d in {world.depth[g] for g in world.goals}:
         ids = {i for i, g in enumerate(world.goals) if world.depth[g] == d}
         assert ids & test and ids & train
         assert abs(len(ids & test) - 0.2 * len(ids)) <= 1
@@ -322,13 +345,18 @@ def test_datapack_rules_on_a_tiny_pack(tmp_path):
         "a_planks": {"type": "minecraft:crafting_shapeless", "group": "planks",
                      "ingredients": [{"tag": "minecraft:a_logs"}],
                      "result": {"item": "minecraft:a_planks", "count": 4}},
-        "b_stick": shaped("minecraft:stick", ["#", "#"], {"#": {"tag": "minecraft:planks"}}, count=4),
-        "c_ingot": shaped("minecraft:ingot", ["###", "###", "###"], {"#": {"item": "minecraft:nugget"}}),
-        "d_nugget": {"type": "minecraft:crafting_shapeless", "ingredients": [{"item": "minecraft:ingot"}],
-                     "result": {"item": "minecraft:nugget", "count": 9}},  # closes a cycle: dropped
+        "b_stick": shaped("minecraft:stick", ["#", "#"], {"#": {"tag": "minecraft:planks"}},
+                          count=4),
+        "c_ingot": shaped("minecraft:ingot", ["###", "###", "###"],
+                          {"#": {"item": "minecraft:nugget"}}),
+        # closes a cycle: dropped
+        "d_nugget": {"type": "minecraft:crafting_shapeless",
+                     "ingredients": [{"item": "minecraft:ingot"}],
+                     "result": {"item": "minecraft:nugget", "count": 9}},
+        # from a block: dropped
         "e_from_block": {"type": "minecraft:crafting_shapeless",
                          "ingredients": [{"item": "minecraft:x_block"}],
-                         "result": {"item": "minecraft:ingot", "count": 9}},  # from a block: dropped
+                         "result": {"item": "minecraft:ingot", "count": 9}},
         "f_torch": {"type": "minecraft:crafting_shapeless",
                     "ingredients": [[{"item": "minecraft:coal"}, {"item": "minecraft:charcoal"}],
                                     {"item": "minecraft:stick"}, {"item": "minecraft:stick"}],
@@ -337,15 +365,19 @@ def test_datapack_rules_on_a_tiny_pack(tmp_path):
                     "result": "minecraft:glass"},
     })
     w = build_world(read_datapack(str(tmp_path)), "tiny")
-    assert sorted(w.goals) == ["minecraft:a_planks", "minecraft:ingot", "minecraft:stick", "minecraft:torch"]
-    assert "minecraft:a_logs" in w.items and "minecraft:planks" in w.tags  # a dead tag is a base item
+    assert sorted(w.goals) == ["minecraft:a_planks", "minecraft:ingot", "minecraft:stick",
+                               "minecraft:torch"]
+    # a dead tag is a base item
+    assert "minecraft:a_logs" in w.items and "minecraft:planks" in w.tags
     (torch,) = w.item_recipes["minecraft:torch"]
-    assert torch.text == "craft 4 torch using 1 coal, 2 stick"  # alternatives: the first; repeats merge
+    # alternatives: the first; repeats merge
+    assert torch.text == "craft 4 torch using 1 coal, 2 stick"
     assert w.depth["minecraft:torch"] == 3 and w.depth["minecraft:ingot"] == 1
     env = TextCraftEnv(w)
     env.reset(w.goals.index("minecraft:torch"))
     assert obs(env, "get 1 a logs") == "Got 1 a logs"
-    assert obs(env, "get 9 nugget") == "Got 9 nugget"  # its recipe was dropped, so it is a base item
+    # its recipe was dropped, so it is a base item
+    assert obs(env, "get 9 nugget") == "Got 9 nugget"
     assert obs(env, "get 1 glass") == "Could not find glass"  # smelting results do not exist
     assert run_expert(w, w.goals.index("minecraft:torch")) == 5
 
@@ -358,7 +390,8 @@ def test_bad_recipes_path_is_a_clear_error(tmp_path):
         TextCraftEnv.load_world(argparse.Namespace(recipes=str(tmp_path)))  # no .json files
     parser = argparse.ArgumentParser()
     TextCraftEnv.add_args(parser)
-    assert parser.parse_args(["--recipes", "X"]).recipes == "X" and parser.parse_args([]).recipes is None
+    assert (parser.parse_args(["--recipes", "X"]).recipes == "X"
+            and parser.parse_args([]).recipes is None)
 
 
 @needs_shared

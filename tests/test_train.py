@@ -1,5 +1,5 @@
-"""train.py end to end: every --algo runs as a subprocess, a resumed run continues exactly, bad flags
-are named, and a tiny model learns the Corridor game with GRPO and with PPO."""
+"""train.py end to end: every --algo runs as a subprocess, a resumed run continues exactly, bad
+flags are named, and a tiny model learns the Corridor game with GRPO and with PPO."""
 
 import json
 import os
@@ -19,8 +19,8 @@ from trainer import run as run_layer
 from models import warmstart
 from trainer.tasks import spread
 
-TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
-        "--eval-every", "0"]
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
+        "--threads", "1", "--eval-every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,10 @@ def run_train(args, cache_dir, check=True):
 
 
 def update_run(cfg, model, optims, pad, critic=None, ref=None):
-    """What train.update reads of a run (trainer/run.py's Run), for calling it on a model directly."""
-    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=pad,
+    """What train.update reads of a run (trainer/run.py's Run), for calling it on a model
+    directly."""
+    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
+                           optims=optims, pad=pad,
                            device=torch.device("cpu"), engine_kind=cfg.engine,
                            update_gen=torch.Generator().manual_seed(cfg.seed))
 
@@ -52,24 +54,30 @@ def metrics(out_dir):
 @pytest.mark.parametrize("algo,extra", [
     ("grpo", ["--kl-coef", "0.01", "--entropy-coef", "0.001"]),
     ("rloo", ["--ppo-epochs", "2", "--mini-batch-size", "2"]),
-    ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean", "--temperature", "0.7"]),  # tempered log-probs
+    # tempered log-probs
+    ("reinforce_pp", ["--gamma", "0.99", "--loss-agg", "token_mean", "--temperature", "0.7"]),
     ("ppo", ["--lam", "0.95", "--dual-clip", "3", "--lr-decay", "cosine"]),
-    ("gigpo", ["--gamma", "0.95", "--step-adv-weight", "0.5"]),  # step-level credit, wired end to end
+    # step-level credit, wired end to end
+    ("gigpo", ["--gamma", "0.95", "--step-adv-weight", "0.5"]),
 ])
 def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
     out = str(tmp_path / "run")
-    shown = run_train([*TINY, "--algo", algo, "--steps", "2", "--schedule", "2,3", "--out", out, *extra], cache_dir).stderr
+    shown = run_train([*TINY, "--algo", algo, "--steps", "2", "--schedule", "2,3", "--out", out,
+                       *extra], cache_dir).stderr
     # the progress bar says what the step is doing: its rollout's turn, then the update
-    assert "rollout turn 1/2" in shown and "rollout turn 3/3" in shown and "update of 4 trajectories" in shown
+    assert ("rollout turn 1/2" in shown and "rollout turn 3/3" in shown
+            and "update of 4 trajectories" in shown)
     m = metrics(out)
     assert [x["step"] for x in m] == [1, 2] and [x["max_turns"] for x in m] == [2, 3]
-    for key in ("reward_mean", "success_rate", "turns_mean", "status_done", "loss", "kl", "entropy", "grad_norm",
+    for key in ("reward_mean", "success_rate", "turns_mean", "status_done", "loss", "kl", "entropy",
+                "grad_norm",
                 "tokens_per_s", "time_rollout_s", "time_update_s", "padding_share", "logprob_diff"):
         assert key in m[-1], key
     assert m[0]["logprob_diff"] < 1e-4  # the trainer scores sampled tokens as the sampler did
     if algo == "ppo":
         assert "value_loss" in m[-1]
-        assert [x["lr"] for x in m] == pytest.approx([3e-4, 1.5e-4])  # cosine from --lr down to --lr/steps
+        # cosine from --lr down to --lr/steps
+        assert [x["lr"] for x in m] == pytest.approx([3e-4, 1.5e-4])
     else:
         assert [x["lr"] for x in m] == pytest.approx([3e-4, 3e-4])
     for step in (1, 2):
@@ -82,8 +90,10 @@ def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
 
 
 def test_resume_continues_exactly(tmp_path, cache_dir):
-    """3 steps straight == 2 steps, stop, resume for the 3rd: same tasks, samples, losses, horizon."""
-    common = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo", "--lr-decay", "linear"]
+    """3 steps straight == 2 steps, stop, resume for the 3rd: same tasks, samples, losses,
+    horizon."""
+    common = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo",
+              "--lr-decay", "linear"]
     run_train([*common, "--steps", "3", "--out", str(tmp_path / "a")], cache_dir)
     run_train([*common, "--steps", "2", "--out", str(tmp_path / "b")], cache_dir)
     run_train([*common, "--steps", "3", "--out", str(tmp_path / "b"), "--resume"], cache_dir)
@@ -94,14 +104,16 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     assert strip(a[2]) == strip(b[2])
     assert a[2]["max_turns"] == 4
     same = lambda p: open(p).read()  # noqa: E731
-    assert same(tmp_path / "a" / "rollouts" / "step_000003.jsonl") == same(tmp_path / "b" / "rollouts" / "step_000003.jsonl")
+    assert (same(tmp_path / "a" / "rollouts" / "step_000003.jsonl")
+            == same(tmp_path / "b" / "rollouts" / "step_000003.jsonl"))
 
 
 def test_bad_flags_are_named(tmp_path, cache_dir):
     for args, needle in [(["--steps", "0"], "--steps must be at least 1"),
                          (["--schedule", "10,0"], "--schedule"),
                          (["--resume"], "--resume needs --out"),
-                         (["--resume", "--out", str(tmp_path / "none")], "--resume: no checkpoint in"),
+                         (["--resume", "--out", str(tmp_path / "none")],
+                          "--resume: no checkpoint in"),
                          (["--dual-clip", "0.5"], "--dual-clip must be greater than 1"),
                          (["--eval-every", "-1"], "--eval-every must be 0 or more"),
                          (["--save-every", "-2"], "--save-every must be -1"),
@@ -121,35 +133,42 @@ def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
     assert run_layer.lr_at(4, 15, "cosine") > run_layer.lr_at(4, 15, "linear")
     assert run_layer.lr_at(12, 15, "cosine") < run_layer.lr_at(12, 15, "linear")
     cfg = train.config.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
-    optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for name in ("policy", "critic")}
-    assert run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3) == pytest.approx(5e-4)
+    optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+              for name in ("policy", "critic")}
+    assert (run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3)
+            == pytest.approx(5e-4))
     assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
     # the --max-update-kl guard's scale multiplies it
-    assert run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3) == pytest.approx(2.5e-4)
+    assert (run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3)
+            == pytest.approx(2.5e-4))
 
 
 def test_warmup_rises_to_the_rate_then_follows_the_decay():
-    assert [run_layer.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)] == [0.25, 0.5, 0.75, 1.0, 1.0]
-    assert run_layer.lr_at(2, 10, "cosine", warmup=3) == pytest.approx(0.5 * run_layer.lr_at(2, 10, "cosine"))
+    assert ([run_layer.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)]
+            == [0.25, 0.5, 0.75, 1.0, 1.0])
+    assert (run_layer.lr_at(2, 10, "cosine", warmup=3)
+            == pytest.approx(0.5 * run_layer.lr_at(2, 10, "cosine")))
     assert [run_layer.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
 
 
 def test_uses_a_running_env_server(tmp_path, cache_dir):
     from env_server.app import ServerProcess
     with ServerProcess("corridor") as server:
-        run_train([*TINY, "--steps", "1", "--schedule", "2", "--env-addr", server.url, "--out", str(tmp_path / "r")],
+        run_train([*TINY, "--steps", "1", "--schedule", "2", "--env-addr", server.url,
+                   "--out", str(tmp_path / "r")],
                   cache_dir)
     assert metrics(tmp_path / "r")[0]["step"] == 1
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
-    """A pipeline that does not learn fails here: reward must rise clearly within 40 steps on the training
-    tasks, and held-out success (4 samples of each test task, before step 1 and after step 40) must rise.
-    At 40 steps held-out gains are small (docs/results.md, 2026-11-24: 8 points with seed 0), so the
-    held-out bar is any rise, measured on 48 episodes rather than 12."""
+    """A pipeline that does not learn fails here: reward must rise clearly within 40 steps on the
+    training tasks, and held-out success (4 samples of each test task, before step 1 and after step
+    40) must rise. At 40 steps held-out gains are small (docs/results.md, 2026-11-24: 8 points with
+    seed 0), so the held-out bar is any rise, measured on 48 episodes rather than 12."""
     cfg = train.parse_args(["--env", "corridor", "--algo", algo, "--schedule", "8", "--steps", "40",
-                            "--batch-size", "8", "--group-size", "8", "--max-new-tokens", "6", "--lr", "3e-3",
+                            "--batch-size", "8", "--group-size", "8", "--max-new-tokens", "6",
+                            "--lr", "3e-3",
                             "--critic-lr", "3e-3", "--threads", "1", "--out", str(tmp_path / algo),
                             "--cache-dir", cache_dir, "--eval-every", "40", "--eval-samples", "4"])
     summary = train.main(cfg)
@@ -163,7 +182,8 @@ def test_tiny_model_learns_corridor(tmp_path, cache_dir, algo):
     assert evals[1]["success_rate"] > evals[0]["success_rate"], evals
     assert summary["eval_success_start"] == evals[0]["success_rate"]
     assert summary["eval_success_end"] == evals[1]["success_rate"]
-    assert evals[0]["guess_share"] == 0.0 and all(m["guess_share"] == 0.0 for m in metrics(tmp_path / algo))
+    assert evals[0]["guess_share"] == 0.0 and all(m["guess_share"] == 0.0
+                                                  for m in metrics(tmp_path / algo))
 
 
 def test_rollout_metrics_count_episodes_that_open_with_a_guess():
@@ -171,10 +191,12 @@ def test_rollout_metrics_count_episodes_that_open_with_a_guess():
     from rollout import Trajectory
     trajs = []
     for thought in (GUESS_THOUGHT, None, GUESS_THOUGHT, "left is closer"):
-        msgs = opening_messages("corridor", "You are at 3.") + [{"role": "assistant",
-                                                                  "content": react_reply("corridor", "left", thought)}]
+        msgs = opening_messages("corridor", "You are at 3.") + [
+            {"role": "assistant", "content": react_reply("corridor", "left", thought)}]
         trajs.append(Trajectory("corridor", 0, 0, msgs, [], [], [], status="done", reward=1.0))
-    trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [], []))  # no reply
+    # no reply
+    trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [],
+                            []))
     m = run_layer.rollout_metrics(trajs, 4, 1.0)
     assert m["guess_share"] == 2 / 5 and m["success_rate"] == 4 / 5
 
@@ -198,8 +220,10 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
     url, stop = serve_in_thread(CorridorEnv)
     fmt, rcfg = ChatFormat(tok), RolloutConfig(max_turns=3, max_new_tokens=5)
     with EnvPool(url, 6) as pool:
-        policy = EnginePolicy(HFEngine(model, tok.pad_token_id), fmt, rcfg, torch.Generator().manual_seed(1))
-        trajs = rollout(policy, pool, "corridor", [0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2], rcfg, fmt=fmt)
+        policy = EnginePolicy(HFEngine(model, tok.pad_token_id), fmt, rcfg,
+                              torch.Generator().manual_seed(1))
+        trajs = rollout(policy, pool, "corridor", [0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2], rcfg,
+                        fmt=fmt)
     stop()
     trajs[0].reward = trajs[3].reward = 1.0  # make the advantages non-zero
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
@@ -207,7 +231,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
         for micro in (100_000, 1):  # one micro-batch / one row per micro-batch
             c = train.parse_args([*TINY, "--loss-agg", mode, "--micro-batch-tokens", str(micro)])
             m = copy.deepcopy(model)
-            train_update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)}, tok.pad_token_id), trajs)
+            train_update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)},
+                                    tok.pad_token_id), trajs)
             results.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert (results[0] - before).abs().max() > 1e-6
@@ -222,14 +247,16 @@ def test_masked_logprobs_equal_the_full_forward():
     from models.tiny import build_model
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
     ids = torch.randint(0, 50, (3, 12))
-    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(12).repeat(3, 1)}
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+          "position_ids": torch.arange(12).repeat(3, 1)}
     mask = (torch.rand(3, 11) < 0.4).long()
     mask[0, 3] = 1
     full_lp, full_ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True)
     lp, ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True, mask=mask)
     assert policy._head_split_ok(model)
     m = mask.bool()
-    assert torch.allclose(lp[m], full_lp[m], atol=1e-5) and torch.allclose(ent[m], full_ent[m], atol=1e-5)
+    assert (torch.allclose(lp[m], full_lp[m], atol=1e-5)
+            and torch.allclose(ent[m], full_ent[m], atol=1e-5))
     assert (lp[~m] == 0).all() and (ent[~m] == 0).all()
     grads = []
     for lps in (full_lp, lp):
@@ -245,7 +272,8 @@ def test_spread_picks_evenly():
 
 
 def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypatch):
-    """default_model_path builds the recipe's SFT model into the cache once, records it, and reuses it."""
+    """default_model_path builds the recipe's SFT model into the cache once, records it, and reuses
+    it."""
     recipe = dict(copy_steps=3, tasks=4, noise=0.0, epochs=1, lr=1e-3, batch_size=2)
     monkeypatch.setitem(warmstart.WARM_START, "corridor", recipe)
     path = models.default_model_path("corridor", str(tmp_path))
@@ -259,18 +287,20 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
     # stage 1 has its own folder, which another SFT recipe reuses
     copied = models.tiny_model_path("corridor", str(tmp_path)) + "-copy3"
-    assert json.load(open(os.path.join(copied, "copy_stage.json")))["copy_loss"] == info["copy_loss"]
+    assert (json.load(open(os.path.join(copied, "copy_stage.json")))["copy_loss"]
+            == info["copy_loss"])
     stamp = os.path.getmtime(os.path.join(copied, "config.json"))
     monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "epochs": 2})
     other = models.default_model_path("corridor", str(tmp_path))
-    assert other != path and len(json.load(open(os.path.join(other, "warm_start.json")))["sft_loss"]) == 2
+    assert other != path and len(
+        json.load(open(os.path.join(other, "warm_start.json")))["sft_loss"]) == 2
     assert os.path.getmtime(os.path.join(copied, "config.json")) == stamp
     with pytest.raises(ValueError, match="after 3 copy steps; the corridor warm start needs 5"):
         monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "copy_steps": 5})
         warmstart.warm_start("corridor", copied, str(tmp_path / "bad"))
     # stage 3, a guessing habit, starts from the stage-2 folder of the same recipe and keeps it
-    monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2, "guess_epochs": 1,
-                                                     "guess_lr": 1e-3})
+    monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2,
+                                                           "guess_epochs": 1, "guess_lr": 1e-3})
     stamp = os.path.getmtime(os.path.join(path, "config.json"))
     habit = models.default_model_path("corridor", str(tmp_path))
     assert habit == path + "-guess-guess0.5-guess_turns2-guess_epochs1-guess_lr0.001"
@@ -279,19 +309,23 @@ def test_warm_start_is_built_once_and_named_after_its_recipe(tmp_path, monkeypat
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
     # a stalling habit: the action goes into the folder's name without its spaces, and into the data
     monkeypatch.setitem(warmstart.WARM_START, "corridor", {**recipe, "guess": 0.5, "guess_turns": 2,
-                                                     "guess_action": "wait here", "guess_epochs": 1, "guess_lr": 1e-3})
+                                                           "guess_action": "wait here",
+                                                           "guess_epochs": 1, "guess_lr": 1e-3})
     stall = models.default_model_path("corridor", str(tmp_path))
-    assert stall == path + "-guess-guess0.5-guess_turns2-guess_actionwait_here-guess_epochs1-guess_lr0.001"
+    assert stall == (path + "-guess-guess0.5-guess_turns2-guess_actionwait_here"
+                     "-guess_epochs1-guess_lr0.001")
     assert json.load(open(os.path.join(stall, "guess_stage.json")))["guesser_share"] == 0.5
     assert os.path.getmtime(os.path.join(path, "config.json")) == stamp
     with pytest.raises(ValueError, match="no warm_start.json"):
         warmstart.guess_stage("corridor", copied, str(tmp_path / "bad"))
     monkeypatch.delitem(warmstart.WARM_START, "corridor")
-    assert models.default_model_path("corridor", str(tmp_path)) == models.tiny_model_path("corridor", str(tmp_path))
+    assert (models.default_model_path("corridor", str(tmp_path))
+            == models.tiny_model_path("corridor", str(tmp_path)))
 
 
 def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, monkeypatch):
-    """--threads 0: torch gets all cores but one while env servers work, and all of them in the update."""
+    """--threads 0: torch gets all cores but one while env servers work, and all of them in the
+    update."""
     seen = []
     real_update = train.update
 
@@ -312,7 +346,8 @@ def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, m
     args = list(TINY)
     args[args.index("--threads") + 1] = "0"  # the default
     try:
-        train.main(train.parse_args([*args, "--steps", "2", "--schedule", "3", "--out", str(tmp_path / "run"),
+        train.main(train.parse_args([*args, "--steps", "2", "--schedule", "3",
+                                     "--out", str(tmp_path / "run"),
                                      "--cache-dir", cache_dir]))
     finally:
         torch.set_num_threads(before)

@@ -1,7 +1,7 @@
 """How far an update moves the policy, and what keeps it from moving too far: update_kl and
 groups_informative in every step's metrics, the real-model defaults (warm-up, KL to the reference,
-mini-batches, the update_kl guard, dynamic sampling), dynamic sampling itself, the replay script, and a
-signal that lands during an update."""
+mini-batches, the update_kl guard, dynamic sampling), dynamic sampling itself, the replay script,
+and a signal that lands during an update."""
 
 import json
 import os
@@ -20,13 +20,13 @@ import train
 from trainer import run as run_layer
 from rollout import Trajectory
 
-TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4", "--threads", "1",
-        "--eval-every", "0", "--schedule", "4"]
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4",
+        "--threads", "1", "--eval-every", "0", "--schedule", "4"]
 
 
 def run_train(args, timeout=300):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def metrics(out) -> list[dict]:
@@ -34,12 +34,13 @@ def metrics(out) -> list[dict]:
 
 
 def test_every_step_logs_how_far_its_update_moved_the_policy(tmp_path):
-    """update_kl is measured after the update; it grows with the learning rate; groups_informative is the
-    share of groups whose scores differ (read back from the step's own log)."""
+    """update_kl is measured after the update; it grows with the learning rate; groups_informative
+    is the share of groups whose scores differ (read back from the step's own log)."""
     kls = {}
     for lr in ("3e-4", "3e-2"):
         out = tmp_path / lr
-        r = run_train([*TINY, "--steps", "3", "--lr", lr, "--entropy-coef", "0.001", "--out", str(out)])
+        r = run_train([*TINY, "--steps", "3", "--lr", lr, "--entropy-coef", "0.001",
+                       "--out", str(out)])
         assert r.returncode == 0, r.stderr[-2000:]
         rows = metrics(out)
         for m in rows:
@@ -57,15 +58,19 @@ def test_every_step_logs_how_far_its_update_moved_the_policy(tmp_path):
 def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
     model = tmp_path / "some-model"
     model.mkdir()
-    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--batch-size", "8", "--group-size", "4"])
+    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--batch-size", "8",
+                            "--group-size", "4"])
     assert (cfg.lr, cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl) == (1e-6, 0.0, 3, 0.01)
-    assert cfg.mini_batch_size == 8 and cfg.dynamic_sampling is True and cfg.micro_batch_tokens == 4096
+    assert (cfg.mini_batch_size == 8 and cfg.dynamic_sampling is True
+            and cfg.micro_batch_tokens == 4096)
     cfg = train.parse_args(["--env", "corridor"])  # the tiny model: as before
-    assert (cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl, cfg.mini_batch_size, cfg.dynamic_sampling,
-            cfg.micro_batch_tokens) == (0.0, 0, 0.0, None, False, 16384)
-    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--kl-coef", "0.001", "--no-dynamic-sampling",
-                            "--mini-batch-size", "32", "--micro-batch-tokens", "8192"])  # flags win
-    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size, cfg.micro_batch_tokens) == (0.001, False, 32, 8192)
+    assert (cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl, cfg.mini_batch_size,
+            cfg.dynamic_sampling, cfg.micro_batch_tokens) == (0.0, 0, 0.0, None, False, 16384)
+    cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--kl-coef", "0.001",
+                            "--no-dynamic-sampling", "--mini-batch-size", "32",
+                            "--micro-batch-tokens", "8192"])  # flags win
+    assert (cfg.kl_coef, cfg.dynamic_sampling, cfg.mini_batch_size,
+            cfg.micro_batch_tokens) == (0.001, False, 32, 8192)
 
 
 def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(capsys):
@@ -75,38 +80,44 @@ def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(caps
     assert run.lr_scale == 1.0 and m["lr_scale"] == 1.0
     m = {"update_kl": 0.02}
     run_layer.guard(run, 2, m)
-    assert run.lr_scale == 0.5 and m["lr_scale"] == 0.5 and "learning rate halved" in capsys.readouterr().out
+    assert (run.lr_scale == 0.5 and m["lr_scale"] == 0.5
+            and "learning rate halved" in capsys.readouterr().out)
     run.cfg.max_update_kl = 0.0  # off
     run_layer.guard(run, 3, {"update_kl": 9.0})
     assert run.lr_scale == 0.5
 
 
 def traj(group: int, reward: float, item: int = 0) -> Trajectory:
-    return Trajectory("corridor", item, group, [], [1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], turns=1, status="done",
-                      reward=reward)
+    return Trajectory("corridor", item, group, [], [1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0],
+                      turns=1, status="done", reward=reward)
 
 
 def test_dynamic_sampling_replaces_tied_groups_within_its_bound():
-    """Groups whose scores tie are dropped and fresh tasks played in their place, with new group ids,
-    until the batch holds --batch-size informative groups or --max-resample rounds are spent."""
-    cfg = train.parse_args(["--env", "corridor", "--batch-size", "4", "--group-size", "2", "--max-resample", "2"])
+    """Groups whose scores tie are dropped and fresh tasks played in their place, with new group
+    ids, until the batch holds --batch-size informative groups or --max-resample rounds are
+    spent."""
+    cfg = train.parse_args(["--env", "corridor", "--batch-size", "4", "--group-size", "2",
+                            "--max-resample", "2"])
     run = SimpleNamespace(cfg=cfg, data_rng=random.Random(0), train_ids=list(range(100)))
     played = []
 
     def play_groups(item_ids, groups):  # fresh groups alternate: tied, informative
         played.append(sorted(set(groups)))
-        return [traj(g, float(g % 2 and i % 2), item) for i, (item, g) in enumerate(zip(item_ids, groups))]
+        return [traj(g, float(g % 2 and i % 2), item)
+                for i, (item, g) in enumerate(zip(item_ids, groups))]
 
     first = [traj(0, 1.0), traj(0, 1.0), traj(1, 0.0), traj(1, 1.0), traj(2, 0.0), traj(2, 0.0),
              traj(3, 1.0), traj(3, 0.0)]  # groups 1 and 3 informative
     kept, extra = run_layer.resample(run, first, play_groups)
-    assert played == [[4, 5], [6]]  # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
+    # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
+    assert played == [[4, 5], [6]]
     assert {t.group for t in kept} == {1, 3, 5} and {t.group for t in extra} == {4, 5, 6}
     assert run_layer.informative_groups(kept) == {1, 3, 5}
 
 
 def test_dynamic_sampling_stops_after_max_resample_rounds():
-    cfg = train.parse_args(["--env", "corridor", "--batch-size", "4", "--group-size", "2", "--max-resample", "3"])
+    cfg = train.parse_args(["--env", "corridor", "--batch-size", "4", "--group-size", "2",
+                            "--max-resample", "3"])
     run = SimpleNamespace(cfg=cfg, data_rng=random.Random(0), train_ids=list(range(100)))
     rounds = []
 
@@ -114,18 +125,19 @@ def test_dynamic_sampling_stops_after_max_resample_rounds():
         rounds.append(len(set(groups)))
         return [traj(g, 0.0, item) for item, g in zip(item_ids, groups)]
 
-    kept, extra = run_layer.resample(run, [traj(0, 0.0), traj(0, 1.0)] + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)],
-                                 all_tied)
+    kept, extra = run_layer.resample(run, [traj(0, 0.0), traj(0, 1.0)]
+                                     + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)], all_tied)
     assert rounds == [3, 3, 3] and {t.group for t in kept} == {0} and len(extra) == 18
 
 
 def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
-    """--resample extend: a tied group's task is played --group-size more times under the same group id;
-    the grown group trains once it is informative, and a group still tied is extended again, up to
-    --max-resample rounds. No fresh task is drawn."""
-    cfg = train.parse_args(["--env", "corridor", "--batch-size", "3", "--group-size", "2", "--max-resample", "2",
-                            "--dynamic-sampling", "--resample", "extend"])
-    run = SimpleNamespace(cfg=cfg, data_rng=None, train_ids=list(range(100)))  # drawing a task would fail
+    """--resample extend: a tied group's task is played --group-size more times under the same group
+    id; the grown group trains once it is informative, and a group still tied is extended again, up
+    to --max-resample rounds. No fresh task is drawn."""
+    cfg = train.parse_args(["--env", "corridor", "--batch-size", "3", "--group-size", "2",
+                            "--max-resample", "2", "--dynamic-sampling", "--resample", "extend"])
+    run = SimpleNamespace(cfg=cfg, data_rng=None,  # drawing a task would fail
+                          train_ids=list(range(100)))
     played = []
 
     def play_groups(item_ids, groups):  # task 7 is won on its second round, task 9 never
@@ -133,10 +145,12 @@ def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
         return [traj(g, float(item == 7 and len(played) == 1 and i == 0), item)
                 for i, (item, g) in enumerate(zip(item_ids, groups))]
 
-    first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9), traj(2, 0.0, 9)]
+    first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9),
+             traj(2, 0.0, 9)]
     kept, extra = run_layer.resample(run, first, play_groups)
     assert played == [[(7, 1), (7, 1), (9, 2), (9, 2)], [(9, 2), (9, 2)]]
-    assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]  # group 1 grew to 4 and trains; group 2 stays out
+    # group 1 grew to 4 and trains; group 2 stays out
+    assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]
     assert len(extra) == 6 and run_layer.informative_groups(kept) == {0, 1}
     with pytest.raises(SystemExit):  # extend is a kind of dynamic sampling
         train.parse_args(["--env", "corridor", "--no-dynamic-sampling", "--resample", "extend"])
@@ -146,8 +160,8 @@ def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
 @pytest.mark.parametrize("mode", ["fresh", "extend"])
 def test_a_run_with_dynamic_sampling_trains_on_informative_groups_only(tmp_path, mode):
     out = tmp_path / "run"
-    r = run_train([*TINY, "--steps", "2", "--dynamic-sampling", "--max-resample", "1", "--resample", mode,
-                   "--out", str(out)])
+    r = run_train([*TINY, "--steps", "2", "--dynamic-sampling", "--max-resample", "1",
+                   "--resample", mode, "--out", str(out)])
     assert r.returncode == 0, r.stderr[-2000:]
     for m in metrics(out):
         assert m["trained_groups"] <= 2 and "resampled_groups" in m
@@ -156,8 +170,9 @@ def test_a_run_with_dynamic_sampling_trains_on_informative_groups_only(tmp_path,
 
 
 def test_a_signal_during_an_update_saves_that_steps_checkpoint(tmp_path):
-    """SIGTERM while step 2's update runs: the update finishes (the critical section holds the signal),
-    and the checkpoint says step 2, whose weights it holds; --resume then equals the straight run."""
+    """SIGTERM while step 2's update runs: the update finishes (the critical section holds the
+    signal), and the checkpoint says step 2, whose weights it holds; --resume then equals the
+    straight run."""
     args = [*TINY, "--steps", "3", "--save-every", "-1"]
     straight = tmp_path / "straight"
     r = run_train([*args, "--out", str(straight), "--save-every", "0"])
@@ -176,8 +191,8 @@ def test_a_signal_during_an_update_saves_that_steps_checkpoint(tmp_path):
         "train.update = update\n"
         "train.main(train.parse_args(sys.argv[1:]))\n")
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(driver), *args, "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(driver), *args, "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 128 + signal.SIGTERM, r.stderr[-2000:]
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2 and len(metrics(out)) == 2
@@ -194,16 +209,17 @@ def test_a_signal_during_an_update_saves_that_steps_checkpoint(tmp_path):
 
 def test_the_replay_script_prints_update_kl_per_setting(tmp_path):
     out = tmp_path / "run"
-    r = run_train([*TINY, "--steps", "1", "--entropy-coef", "0.001", "--out", str(out)])  # every row computed
+    r = run_train([*TINY, "--steps", "1", "--entropy-coef", "0.001",  # every row computed
+                   "--out", str(out)])
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "1",
-                        "--try", "lr=3e-2", "--try", "lr=3e-6,mini_batch_size=2", "--try", "lr=3e-4",
-                        "--probe-tasks", "2", "--threads", "1"], cwd=ROOT,
+                        "--try", "lr=3e-2", "--try", "lr=3e-6,mini_batch_size=2",
+                        "--try", "lr=3e-4", "--probe-tasks", "2", "--threads", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert [x["setting"] for x in rows] == ["(the run's own settings)", "--lr 3e-2", "--lr 3e-6 --mini-batch-size 2",
-                                            "--lr 3e-4"]
+    assert [x["setting"] for x in rows] == ["(the run's own settings)", "--lr 3e-2",
+                                            "--lr 3e-6 --mini-batch-size 2", "--lr 3e-4"]
     kl = [x["update_kl"] for x in rows]
     assert all(k is not None for k in kl) and kl[1] > kl[0] > kl[2]
     # vs_own: how far each result lies from the run's own; the own lr again (3e-4) lands on it
@@ -245,7 +261,8 @@ def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_pat
     for weights in ("ck1", "ck1/model"):
         r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "2",
                             "--weights", str(tmp_path / weights), "--probe-tasks", "1",
-                            "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--threads", "1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         got[weights] = json.loads(r.stdout.strip().splitlines()[-1])[0]["update_kl"]
     assert got["ck1"] == pytest.approx(logged, rel=1e-3)

@@ -1,6 +1,6 @@
-"""The update's numerics, each pinned by a test that fails if it breaks: fp32 master weights whatever the
-checkpoint's dtype, the trainer's log-probs at the sampling temperature, the signs of the KL and
-entropy terms, and the critic's loss weighted across micro-batches like the policy's."""
+"""The update's numerics, each pinned by a test that fails if it breaks: fp32 master weights
+whatever the checkpoint's dtype, the trainer's log-probs at the sampling temperature, the signs of
+the KL and entropy terms, and the critic's loss weighted across micro-batches like the policy's."""
 
 import copy
 import json
@@ -24,13 +24,14 @@ from models.tiny import build_model
 @pytest.fixture(scope="module")
 def corridor_folder(tmp_path_factory):
     import models.tiny as tiny_model
-    return tiny_model.build(str(tmp_path_factory.mktemp("tiny") / "corridor"), env_names=("corridor",),
-                            tokenizer="words", layers=2, hidden=64)
+    return tiny_model.build(str(tmp_path_factory.mktemp("tiny") / "corridor"),
+                            env_names=("corridor",), tokenizer="words", layers=2, hidden=64)
 
 
 def test_a_bf16_checkpoint_trains_in_fp32(tmp_path, corridor_folder):
-    """One step at lr 1e-6 from a model saved in bf16 moves nearly every weight: the trainer keeps fp32
-    master weights (in bf16, most such updates round to nothing: 1.8% of the weights moved)."""
+    """One step at lr 1e-6 from a model saved in bf16 moves nearly every weight: the trainer keeps
+    fp32 master weights (in bf16, most such updates round to nothing: 1.8% of the weights
+    moved)."""
     from transformers import AutoModelForCausalLM
     bf16 = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(corridor_folder).to(torch.bfloat16).save_pretrained(bf16)
@@ -39,9 +40,10 @@ def test_a_bf16_checkpoint_trains_in_fp32(tmp_path, corridor_folder):
             (bf16 / name).write_bytes(open(os.path.join(corridor_folder, name), "rb").read())
     assert json.load(open(bf16 / "config.json"))["dtype"] == "bfloat16"
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", str(bf16), "--steps", "1",
-                        "--schedule", "2", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
-                        "--lr", "1e-6", "--entropy-coef", "0.01", "--threads", "1", "--eval-every", "0",
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", str(bf16),
+                        "--steps", "1", "--schedule", "2", "--batch-size", "2", "--group-size", "2",
+                        "--max-new-tokens", "4", "--lr", "1e-6", "--entropy-coef", "0.01",
+                        "--threads", "1", "--eval-every", "0",
                         "--warmup-steps", "0", "--no-dynamic-sampling", "--dtype", "fp32", "--out",
                         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -50,7 +52,8 @@ def test_a_bf16_checkpoint_trains_in_fp32(tmp_path, corridor_folder):
     moved = sum(int((after[k].float() != before[k]).sum()) for k in before)
     total = sum(v.numel() for v in before.values())
     assert moved / total > 0.9, f"only {moved / total:.1%} of the weights moved"
-    assert all(v.dtype == torch.float32 for v in after.values())  # the checkpoint keeps the master weights
+    # the checkpoint keeps the master weights
+    assert all(v.dtype == torch.float32 for v in after.values())
 
 
 def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
@@ -58,7 +61,8 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
     optims = {"policy": torch.optim.SGD(model.parameters(), lr=lr)}
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=lr)
-    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic, optims=optims, pad=0,
+    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
+                           optims=optims, pad=0,
                            device=torch.device("cpu"), engine_kind=cfg.engine,
                            update_gen=torch.Generator().manual_seed(cfg.seed))
 
@@ -68,13 +72,16 @@ def logits_on_sampled(model, trajs) -> torch.Tensor:
     from rollout import build_batch
     batch = build_batch(trajs, 0)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"]).logits[:, :-1]
     return logits[batch["loss_mask"][:, 1:] > 0].float()
 
 
 def exact_kl(model, ref, trajs) -> float:
-    """Mean over sampled positions of KL(pi || pi_ref), summed over the whole vocabulary (no estimator)."""
-    lp, lq = logits_on_sampled(model, trajs).log_softmax(-1), logits_on_sampled(ref, trajs).log_softmax(-1)
+    """Mean over sampled positions of KL(pi || pi_ref), summed over the whole vocabulary (no
+    estimator)."""
+    lp, lq = (logits_on_sampled(model, trajs).log_softmax(-1),
+              logits_on_sampled(ref, trajs).log_softmax(-1))
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
@@ -84,7 +91,8 @@ def entropy(model, trajs) -> float:
 
 
 def peaked_model():
-    """A tiny model whose next-token distributions are far from uniform (room for the entropy to rise)."""
+    """A tiny model whose next-token distributions are far from uniform (room for the entropy to
+    rise)."""
     torch.manual_seed(0)
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
     with torch.no_grad():
@@ -93,7 +101,8 @@ def peaked_model():
 
 
 def equal_rewards(trajs):
-    """The same reward everywhere: every advantage is 0, and only the KL or entropy term moves the weights."""
+    """The same reward everywhere: every advantage is 0, and only the KL or entropy term moves the
+    weights."""
     for t in trajs:
         t.reward = 1.0
     return trajs
@@ -111,7 +120,8 @@ def test_the_kl_term_pulls_toward_the_reference(kind):
     trajs = equal_rewards(fixed_trajectories(model))
     before = exact_kl(model, ref, trajs)
     run = tiny_run(["--kl-coef", "1.0", "--kl-kind", kind], model, ref=ref, lr=0.1)
-    for _ in range(5):  # small clipped steps; with the sign flipped the KL triples (0.05 -> 0.13-0.15)
+    # small clipped steps; with the sign flipped the KL triples (0.05 -> 0.13-0.15)
+    for _ in range(5):
         train_update(run, trajs)
     after = exact_kl(model, ref, trajs)
     assert after < 0.9 * before, (before, after)
@@ -139,18 +149,20 @@ def test_the_critic_loss_adds_up_over_micro_batches(tmp_path):
         for micro in ("100000", "1"):
             torch.manual_seed(1)
             m, critic = copy.deepcopy(model), policy.Critic(str(tmp_path / "m"))
-            torch.nn.init.normal_(critic.head.weight, std=0.1)  # a critic that already predicts something
+            # a critic that already predicts something
+            torch.nn.init.normal_(critic.head.weight, std=0.1)
             torch.manual_seed(2)
-            train_update(tiny_run(["--algo", "ppo", "--loss-agg", mode, "--micro-batch-tokens", micro], m,
-                                  critic=critic, lr=0.1), trajs)
+            train_update(tiny_run(["--algo", "ppo", "--loss-agg", mode,
+                                   "--micro-batch-tokens", micro], m, critic=critic, lr=0.1), trajs)
             critics.append(torch.cat([p.detach().flatten() for p in critic.parameters()]))
-        assert torch.allclose(critics[0], critics[1], atol=1e-6), (mode, (critics[0] - critics[1]).abs().max())
+        assert torch.allclose(critics[0], critics[1], atol=1e-6), (
+            mode, (critics[0] - critics[1]).abs().max())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_the_trainer_scores_sampled_tokens_at_the_sampling_temperature(temperature):
-    """The sampler's log-probs are those of softmax(logits / T); the trainer's must be too (at T = 1 a
-    trainer that ignored T would pass unnoticed)."""
+    """The sampler's log-probs are those of softmax(logits / T); the trainer's must be too (at T = 1
+    a trainer that ignored T would pass unnoticed)."""
     torch.manual_seed(0)
     model = build_model(vocab_size=50, layers=2, hidden=32, heads=2).eval()
     prompts = [[1, 5, 7, 9], [2, 3, 4, 5, 6, 8]]
@@ -158,7 +170,8 @@ def test_the_trainer_scores_sampled_tokens_at_the_sampling_temperature(temperatu
                                                  torch.Generator().manual_seed(0))
     for p, s in zip(prompts, samples):
         ids = torch.tensor([p + s.ids])
-        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.shape[1])[None]}
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "position_ids": torch.arange(ids.shape[1])[None]}
         with torch.no_grad():
             lp = policy.token_logprobs(model, mb, temperature)[0][0, len(p) - 1:]
             untempered = policy.token_logprobs(model, mb, 1.0)[0][0, len(p) - 1:]

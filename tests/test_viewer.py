@@ -1,7 +1,8 @@
-"""viewer.py: Flask test-client tests (run and step pages, pagination, filters, compare, 4xx on bad or
-hostile requests, escaping, lazy reading) and one real headless-chromium test that clicks from the index
-to a trajectory, checks the token colours and the escaping, and saves a screenshot into VIEWER_ARTIFACTS
-(default: the test's tmp_path). The browser test skips without chromium, chromedriver or selenium."""
+"""viewer.py: Flask test-client tests (run and step pages, pagination, filters, compare, 4xx on bad
+or hostile requests, escaping, lazy reading) and one real headless-chromium test that clicks from
+the index to a trajectory, checks the token colours and the escaping, and saves a screenshot into
+VIEWER_ARTIFACTS (default: the test's tmp_path). The browser test skips without chromium,
+chromedriver or selenium."""
 
 import json
 import os
@@ -19,12 +20,14 @@ XSS = "<script>alert(1)</script>"
 
 
 def trajectory(item_id, group, reward, status="done", env="corridor", text="go left", mask=None):
-    """A two-turn trajectory: task, reply, observation, reply; token ids 0.. with a mask of two sampled spans."""
+    """A two-turn trajectory: task, reply, observation, reply; token ids 0.. with a mask of two
+    sampled spans."""
     mask = mask if mask is not None else [0, 0, 0, 1, 1, 0, 0, 1]
     return {"step": 1, "env": env, "item_id": item_id, "group": group, "max_turns": 3, "turns": 2,
             "status": status, "reward": reward,
             "messages": [{"role": "user", "content": f"task {item_id}: reach the end"},
-                         {"role": "assistant", "content": text}, {"role": "user", "content": "you moved"},
+                         {"role": "assistant", "content": text},
+                         {"role": "user", "content": "you moved"},
                          {"role": "assistant", "content": "go right"}],
             "token_ids": list(range(len(mask))), "loss_mask": mask,
             "logprobs": [-0.25 if m else 0.0 for m in mask]}
@@ -34,8 +37,8 @@ def write_run(folder, steps: dict[int, list[dict]], metrics_steps=None):
     os.makedirs(os.path.join(folder, "rollouts"))
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for s in metrics_steps or steps:
-            f.write(json.dumps({"step": s, "max_turns": 3, "success_rate": 0.25 * s, "reward_mean": 0.5,
-                                "turns_mean": 2.0}) + "\n")
+            f.write(json.dumps({"step": s, "max_turns": 3, "success_rate": 0.25 * s,
+                                "reward_mean": 0.5, "turns_mean": 2.0}) + "\n")
     for s, trajs in steps.items():
         with open(os.path.join(folder, "rollouts", f"step_{s:06d}.jsonl"), "w") as f:
             for t in trajs:
@@ -46,7 +49,8 @@ def write_run(folder, steps: dict[int, list[dict]], metrics_steps=None):
 @pytest.fixture
 def client(tmp_path):
     trajs = [trajectory(7, 0, 1.0), trajectory(7, 0, 0.0, status="max_turns", text=XSS),
-             trajectory(8, 1, 0.5, env="babyai"), trajectory(8, 1, 0.5, env="babyai", status="env_error")]
+             trajectory(8, 1, 0.5, env="babyai"),
+             trajectory(8, 1, 0.5, env="babyai", status="env_error")]
     run = write_run(tmp_path / "run_a", {1: trajs, 2: [trajectory(i, i, 1.0) for i in range(120)]})
     # a step file the requests below never ask for: garbage must not matter to other pages
     (tmp_path / "run_a" / "rollouts" / "step_000003.jsonl").write_text("{not json\n")
@@ -67,10 +71,12 @@ def test_index_and_run_page_show_curves_and_steps(client):
 def test_the_run_page_draws_the_held_out_curve_from_eval_jsonl(tmp_path):
     run = write_run(tmp_path / "run_e", {1: [trajectory(1, 0, 1.0)]})
     app = viewer.create_app([str(run)]).test_client()
-    assert "held-out success" not in app.get("/run/0").get_data(as_text=True)  # no eval.jsonl: no curve
+    # no eval.jsonl: no curve
+    assert "held-out success" not in app.get("/run/0").get_data(as_text=True)
     with open(os.path.join(run, "eval.jsonl"), "w") as f:
         for step, rate in ((0, 0.1), (1, 0.4)):
-            f.write(json.dumps({"step": step, "success_rate": rate, "tasks": 12, "max_turns": 3}) + "\n")
+            f.write(json.dumps({"step": step, "success_rate": rate, "tasks": 12,
+                                "max_turns": 3}) + "\n")
     html = app.get("/run/0").get_data(as_text=True)
     assert html.count("<svg") == 5 and "held-out success (12 test tasks)" in html
     assert ">0.4<" in html and ">0.1<" in html  # the curve's range, read from eval.jsonl
@@ -102,22 +108,27 @@ def test_an_evaluation_opens_as_step_0(tmp_path):
     # a folder where an older eval.py wrote eval_rollouts.jsonl still opens
     old = tmp_path / "eval-old"
     old.mkdir()
-    (old / "eval_rollouts.jsonl").write_text(json.dumps({**trajectory(3, 0, 1.0), "step": 0}) + "\n")
+    (old / "eval_rollouts.jsonl").write_text(json.dumps({**trajectory(3, 0, 1.0), "step": 0})
+                                             + "\n")
     assert list(viewer.step_files(str(old))) == [0]
     # a run folder's own steps win: its eval_rollouts.jsonl (if any) is not a step
     run = write_run(tmp_path / "run_x", {1: [trajectory(1, 0, 1.0)]})
-    (tmp_path / "run_x" / "eval_rollouts.jsonl").write_text(json.dumps(trajectory(2, 0, 0.0)) + "\n")
+    (tmp_path / "run_x" / "eval_rollouts.jsonl").write_text(json.dumps(trajectory(2, 0, 0.0))
+                                                            + "\n")
     assert list(viewer.step_files(str(run))) == [1]
 
 
 def test_bad_and_hostile_requests_are_4xx_never_500(client):
     for url in ["/run/1", "/run/99999999999999999999", "/run/-1", "/run/x", "/run/0/step/4",
                 "/run/0/step/..%2F..", "/run/0/step/../../etc/passwd", "/run/0/step/1/traj/-1",
-                "/run/0/step/1/traj/0", "/run/0/step/1/traj/5", "/run/0/step/1/traj/..%2F..%2Fmetrics.jsonl",
-                "/run/0/step/2?page=4", "/run/0/step/1/compare?a=1&b=9", "/%2e%2e/%2e%2e/etc/passwd"]:
+                "/run/0/step/1/traj/0", "/run/0/step/1/traj/5",
+                "/run/0/step/1/traj/..%2F..%2Fmetrics.jsonl",
+                "/run/0/step/2?page=4", "/run/0/step/1/compare?a=1&b=9",
+                "/%2e%2e/%2e%2e/etc/passwd"]:
         assert client.get(url).status_code == 404, url
     for url in ["/run/0/step/1?page=abc", "/run/0/step/1?page=0", "/run/0/step/1?page=-1",
-                "/run/0/step/1?reward_min=x", "/run/0/step/1?reward_max=nan", "/run/0/step/1/compare?a=1",
+                "/run/0/step/1?reward_min=x", "/run/0/step/1?reward_max=nan",
+                "/run/0/step/1/compare?a=1",
                 "/run/0/step/1/compare?a=-1&b=2", "/run/0/step/1/compare?a=1&b=zz"]:
         assert client.get(url).status_code == 400, url
     r = client.get("/run/0/step/3/traj/1")  # a line that is not JSON: said so, not a crash
@@ -128,10 +139,12 @@ def test_bad_and_hostile_requests_are_4xx_never_500(client):
 
 def test_pagination(client):
     html = client.get("/run/0/step/2").get_data(as_text=True)
-    assert "120 trajectories match" in html and html.count('class="traj"') == 50 and "page 1 of 3" in html
+    assert ("120 trajectories match" in html and html.count('class="traj"') == 50
+            and "page 1 of 3" in html)
     assert 'class="next" href="?page=2"' in html and 'class="prev"' not in html
     html = client.get("/run/0/step/2?page=3").get_data(as_text=True)
-    assert html.count('class="traj"') == 20 and 'href="/run/0/step/2/traj/101"' in html and 'class="next"' not in html
+    assert (html.count('class="traj"') == 20 and 'href="/run/0/step/2/traj/101"' in html
+            and 'class="next"' not in html)
 
 
 def test_filters(client):
@@ -153,18 +166,21 @@ def test_trajectory_turns_tokens_and_escaping_without_tokenizer(client):
     html = client.get("/run/0/step/1/traj/2").get_data(as_text=True)
     assert XSS not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "task 7: reach the end" in html and "you moved" in html and "max_turns" in html
-    assert html.count('class="tok sampled" title') == 3 and html.count('class="tok context" title') == 5
+    assert (html.count('class="tok sampled" title') == 3
+            and html.count('class="tok context" title') == 5)
     assert 'title="#3 id 3 mask 1 logprob -0.25"' in html and "[3]</span>" in html
     assert "no tokenizer" in html and "3 in 2 spans" in html and "2 policy turns" in html
     assert 'class="problem"' not in html
 
 
 def test_a_wrong_mask_is_flagged(tmp_path):
-    bad = trajectory(1, 0, 1.0, mask=[0, 1, 1, 1, 1, 1, 1, 1])  # one span for two replies: template drift
+    # one span for two replies: template drift
+    bad = trajectory(1, 0, 1.0, mask=[0, 1, 1, 1, 1, 1, 1, 1])
     short = {**trajectory(1, 0, 0.0), "logprobs": [0.0]}
     run = write_run(tmp_path / "r", {1: [bad, short]})
     c = viewer.create_app([str(run)]).test_client()
-    assert "1 sampled spans for 2 policy turns" in c.get("/run/0/step/1/traj/1").get_data(as_text=True)
+    assert ("1 sampled spans for 2 policy turns"
+            in c.get("/run/0/step/1/traj/1").get_data(as_text=True))
     assert "logprobs 1" in c.get("/run/0/step/1/traj/2").get_data(as_text=True)
 
 
@@ -172,12 +188,14 @@ def test_compare_best_and_worst_of_a_group(client):
     html = client.get("/run/0/step/1").get_data(as_text=True)
     assert html.count('href="/run/0/step/1/compare?a=1&amp;b=2"') == 2  # task 7: reward 1 vs 0
     html = client.get("/run/0/step/1/compare?a=1&b=2").get_data(as_text=True)
-    assert html.count('class="msg role-assistant"') == 4 and "&lt;script&gt;" in html and XSS not in html
+    assert (html.count('class="msg role-assistant"') == 4 and "&lt;script&gt;" in html
+            and XSS not in html)
     assert 'href="/run/0/step/1/traj/1"' in html and 'href="/run/0/step/1/traj/2"' in html
 
 
 def test_a_trajectory_page_reads_only_up_to_its_line(tmp_path):
-    """Line 1 is served although the rest of the file is garbage: the file is streamed, not parsed whole."""
+    """Line 1 is served although the rest of the file is garbage: the file is streamed, not parsed
+    whole."""
     run = write_run(tmp_path / "r", {1: [trajectory(1, 0, 1.0)]})
     with open(run / "rollouts" / "step_000001.jsonl", "a") as f:
         f.write("{garbage\n" * 1000)
@@ -187,8 +205,8 @@ def test_a_trajectory_page_reads_only_up_to_its_line(tmp_path):
 
 
 def test_cli_rejects_a_missing_folder(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "nope")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "nope: no such folder or file" in res.stderr
 
 
@@ -200,9 +218,11 @@ def test_a_taken_port_is_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "run"), "--port", str(port)], cwd=ROOT,
+        res = subprocess.run([sys.executable, "-m", "tools.viewer", str(tmp_path / "run"),
+                              "--port", str(port)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port" in res.stderr
+    assert (res.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in res.stderr
+            and "--port" in res.stderr)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
@@ -210,26 +230,30 @@ def test_numbers_are_shown_rounded(tmp_path):
     run = tmp_path / "run"
     write_run(run, {1: [trajectory(7, 0, 0.015625)]})
     with open(run / "metrics.jsonl", "w") as f:
-        f.write(json.dumps({"step": 1, "max_turns": 3, "success_rate": 0.015625, "reward_mean": 1 / 3,
-                            "turns_mean": 2.0}) + "\n")
+        f.write(json.dumps({"step": 1, "max_turns": 3, "success_rate": 0.015625,
+                            "reward_mean": 1 / 3, "turns_mean": 2.0}) + "\n")
     c = viewer.create_app([str(run)]).test_client()
-    pages = [c.get(p).get_data(as_text=True) for p in ("/", "/run/0", "/run/0/step/1", "/run/0/step/1/traj/1")]
+    pages = [c.get(p).get_data(as_text=True)
+             for p in ("/", "/run/0", "/run/0/step/1", "/run/0/step/1/traj/1")]
     assert not any("0.015625" in html or "0.3333" in html for html in pages)
-    assert "<td>0.0156</td>" in pages[0] and "<td>0.333</td>" in pages[1] and "<td>0.0156</td>" in pages[2]
+    assert ("<td>0.0156</td>" in pages[0] and "<td>0.333</td>" in pages[1]
+            and "<td>0.0156</td>" in pages[2])
     assert 'class="reward">0.0156<' in pages[3]
-    assert [viewer.num(x) for x in (0.015625, 2.0, 3, 12345.6, None, "a")] == ["0.0156", "2", "3", "12346", "", "a"]
+    assert ([viewer.num(x) for x in (0.015625, 2.0, 3, 12345.6, None, "a")]
+            == ["0.0156", "2", "3", "12346", "", "a"])
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The real browser.
 
 def make_tokenizer(folder, extra_tokens):
-    """A word-level HF tokenizer saved as the run's checkpoint/model, so the viewer decodes with it."""
+    """A word-level HF tokenizer saved as the run's checkpoint/model, so the viewer decodes with
+    it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["<|im_start|>", "user", "\n", "assistant", " go", " left", "<|im_end|>",
-                                         "[UNK]", *extra_tokens])}
+    vocab = {w: i for i, w in enumerate(["<|im_start|>", "user", "\n", "assistant", " go", " left",
+                                         "<|im_end|>", "[UNK]", *extra_tokens])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(folder))
@@ -237,10 +261,12 @@ def make_tokenizer(folder, extra_tokens):
 
 
 def browser_or_skip():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    chromium = (shutil.which("chromium") or shutil.which("chromium-browser")
+                or shutil.which("google-chrome"))
     driver = shutil.which("chromedriver")
     if not chromium or not driver:
-        pytest.skip("chromium and chromedriver not installed (apt-get install -y chromium chromium-driver)")
+        pytest.skip("chromium and chromedriver not installed "
+                    "(apt-get install -y chromium chromium-driver)")
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -248,7 +274,8 @@ def browser_or_skip():
         pytest.skip("selenium not installed (pip install selenium)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1300,1000"):
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              "--window-size=1300,1000"):
         opts.add_argument(a)
     # an explicit chromedriver: Selenium Manager would otherwise try to download one
     return webdriver.Chrome(options=opts, service=Service(executable_path=driver))
@@ -264,7 +291,8 @@ def test_browser_click_through_to_token_view(tmp_path):
     artifacts = os.environ.get("VIEWER_ARTIFACTS") or str(tmp_path)
     os.makedirs(artifacts, exist_ok=True)
     run = tmp_path / "corridor_grpo"
-    # token ids spell a ChatML conversation; one token is the script tag itself (escaping in the token view)
+    # token ids spell a ChatML conversation; one token is the script tag itself (escaping in the
+    # token view)
     ids = [0, 1, 2, 8, 6, 2, 0, 3, 2, 4, 5, 6, 2, 0, 1, 2, 8, 6, 2, 0, 3, 2, 4, 5, 6]
     mask = [0] * 9 + [1] * 3 + [0] * 10 + [1] * 3
     good = trajectory(3, 0, 1.0, mask=mask)
@@ -284,16 +312,19 @@ def test_browser_click_through_to_token_view(tmp_path):
         with pytest.raises(NoAlertPresentException):
             driver.switch_to.alert.text  # noqa: B018 -- the injected script must not have run
         body = driver.find_element(By.TAG_NAME, "body").text
-        assert XSS in body and "task 3: reach the end" in body and "you moved" in body and "max_turns" in body
+        assert (XSS in body and "task 3: reach the end" in body and "you moved" in body
+                and "max_turns" in body)
         assert "decoded with the tokenizer of" in body
         sampled = driver.find_elements(By.CSS_SELECTOR, ".tokens .tok.sampled")
         context = driver.find_elements(By.CSS_SELECTOR, ".tokens .tok.context")
         assert len(sampled) == sum(mask) and len(context) == len(mask) - sum(mask)
-        assert [s.text for s in sampled[:3]] == [" go", " left", "<|im_end|>"]  # pre-wrap keeps spaces
+        # pre-wrap keeps spaces
+        assert [s.text for s in sampled[:3]] == [" go", " left", "<|im_end|>"]
         assert sampled[0].get_attribute("title") == "#9 id 4 mask 1 logprob -0.25"
         assert XSS in [c.text for c in context]  # the script token, shown as text
         colour = {e.value_of_css_property("background-color") for e in sampled}
-        assert len(colour) == 1 and colour.isdisjoint(e.value_of_css_property("background-color") for e in context)
+        assert len(colour) == 1 and colour.isdisjoint(e.value_of_css_property("background-color")
+                                                      for e in context)
         driver.save_screenshot(os.path.join(artifacts, "viewer_trajectory.png"))
         driver.back()
         driver.find_element(By.CSS_SELECTOR, "a.compare").click()

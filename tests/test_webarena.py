@@ -1,7 +1,8 @@
-"""WebArena through AgentGym's WebArena server protocol, against the stand-in of agentgym_webarena.py:
-the client's dialect (env_idx ids, observation after reset, terminated/truncated, reward only at the end,
-plain-text answers), client-side action-block parsing, task lists for a server without /tasks, and
-eval.py and train.py end to end. The real sites, browser and evaluators are not run here."""
+"""WebArena through AgentGym's WebArena server protocol, against the stand-in of
+agentgym_webarena.py: the client's dialect (env_idx ids, observation after reset,
+terminated/truncated, reward only at the end, plain-text answers), client-side action-block parsing,
+task lists for a server without /tasks, and eval.py and train.py end to end. The real sites, browser
+and evaluators are not run here."""
 
 import json
 import os
@@ -32,8 +33,8 @@ def webarena_url():
 def tasks_file(tmp_path):
     path = tmp_path / "tasks.json"
     ids = list(range(len(TASKS)))
-    path.write_text(json.dumps({"train": ids, "test": ids, "categories": {"0": "shopping", "1": "shopping",
-                                                                           "2": "info"}}))
+    path.write_text(json.dumps({"train": ids, "test": ids,
+                                "categories": {"0": "shopping", "1": "shopping", "2": "info"}}))
     return str(path)
 
 
@@ -42,7 +43,8 @@ def test_client_speaks_the_webarena_dialect(webarena_url):
     assert c.id_key == "env_idx"
     first = c.reset(0)
     # The agent's observation is the rendered prompt, not /reset's bare page tree.
-    assert "OBJECTIVE: What is the price of the Blue Mug?" in first and "PREVIOUS ACTION: None" in first
+    assert ("OBJECTIVE: What is the price of the Blue Mug?" in first
+            and "PREVIOUS ACTION: None" in first)
     s = c.step("Let's think. In summary, the next action I will perform is ```click [3]```")
     assert not s.done and s.reward == 0 and "Price: $12.50" in s.observation
     s = c.step("```stop [$12.50]```")
@@ -59,15 +61,18 @@ def test_truncated_ends_the_episode_and_reward_counts_only_when_terminated(webar
     c.reset(2)
     steps = [c.step("```go_back```") for _ in range(MAX_STEPS)]
     assert [s.done for s in steps] == [False] * (MAX_STEPS - 1) + [True]
-    assert _step_from({"observation": "o", "reward": 1.0, "terminated": False, "truncated": True}).reward == 0.0
-    assert _step_from({"observation": "o", "reward": 1.0, "terminated": True, "truncated": False}).reward == 1.0
+    assert _step_from({"observation": "o", "reward": 1.0, "terminated": False,
+                       "truncated": True}).reward == 0.0
+    assert _step_from({"observation": "o", "reward": 1.0, "terminated": True,
+                       "truncated": False}).reward == 1.0
 
 
 def test_reply_without_action_block_is_answered_by_the_client():
     p = parse_action("webarena", "I think I should click the mug.")
     assert p.action is None and p.error == WEBARENA_NO_ACTION
     reply = "Thinking. In summary, the next action I will perform is ```click [3]```"
-    assert parse_action("webarena", reply).action == reply  # the server parses the whole reply itself
+    # the server parses the whole reply itself
+    assert parse_action("webarena", reply).action == reply
 
 
 def test_server_errors_are_env_errors(webarena_url):
@@ -76,7 +81,8 @@ def test_server_errors_are_env_errors(webarena_url):
     with pytest.raises(EnvError) as e:
         c.step("```click [3]```")
     assert e.value.kind == "http" and e.value.status == 500
-    with EnvPool(webarena_url, 2) as pool:  # no /batch (plain-text health): one request per instance
+    # no /batch (plain-text health): one request per instance
+    with EnvPool(webarena_url, 2) as pool:
         assert pool.use_batch is False
         firsts = pool.reset([0, 1])
         assert "Blue Mug?" in firsts[0] and "Red Kettle?" in firsts[1]
@@ -84,7 +90,8 @@ def test_server_errors_are_env_errors(webarena_url):
 
 def test_task_lists_without_a_tasks_endpoint(webarena_url, tasks_file, tmp_path):
     d = task_splits(webarena_url, "webarena", None)  # WebArena's 812 ids, every fifth one held out
-    assert len(d["splits"]["train"]) + len(d["splits"]["test"]) == 812 and d["splits"]["test"][:3] == [0, 5, 10]
+    assert (len(d["splits"]["train"]) + len(d["splits"]["test"]) == 812
+            and d["splits"]["test"][:3] == [0, 5, 10])
     assert not set(d["splits"]["train"]) & set(d["splits"]["test"])
     d = task_splits(webarena_url, "webarena", tasks_file)
     assert d["splits"]["test"] == [0, 1, 2] and d["categories"][2] == "info"
@@ -100,18 +107,21 @@ def test_task_lists_without_a_tasks_endpoint(webarena_url, tasks_file, tmp_path)
 
 
 def scripted_chat_server(answer_blocks: bool = True):
-    """An OpenAI-compatible chat endpoint playing the stand-in's tasks perfectly: it reads the objective
-    and the previous action off the last user message and sends the next action of the solution."""
+    """An OpenAI-compatible chat endpoint playing the stand-in's tasks perfectly: it reads the
+    objective and the previous action off the last user message and sends the next action of the
+    solution."""
     app = Flask("scripted_chat")
 
     @app.post("/v1/chat/completions")
     def chat():
-        pages = [m["content"] for m in request.get_json()["messages"] if "OBJECTIVE:" in m["content"]]
+        pages = [m["content"] for m in request.get_json()["messages"]
+                 if "OBJECTIVE:" in m["content"]]
         task = next(i for i, t in enumerate(TASKS) if t["intent"] in pages[-1])
         prev = re.search(r"PREVIOUS ACTION: (.*)", pages[-1]).group(1)
         plan = SOLUTIONS[task]
         action = plan[plan.index(prev) + 1] if prev in plan else plan[0]
-        text = f"Let's think step by step. In summary, the next action I will perform is ```{action}```"
+        text = ("Let's think step by step. In summary, the next action I will perform is "
+                f"```{action}```")
         if not answer_blocks:
             text = f"I will {action}."
         return jsonify({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -125,8 +135,9 @@ def scripted_chat_server(answer_blocks: bool = True):
 def test_eval_against_the_webarena_protocol(tmp_path, webarena_url, tasks_file, blocks):
     chat, stop = scripted_chat_server(answer_blocks=blocks)
     try:
-        res = ev.main(ev.parse_args(["--env", "webarena", "--env-addr", webarena_url, "--tasks-file", tasks_file,
-                                     "--endpoint", chat, "--endpoint-model", "scripted", "--n", "1",
+        res = ev.main(ev.parse_args(["--env", "webarena", "--env-addr", webarena_url,
+                                     "--tasks-file", tasks_file, "--endpoint", chat,
+                                     "--endpoint-model", "scripted", "--n", "1",
                                      "--max-turns", "4", "--out", str(tmp_path / "wa.json")]))
     finally:
         stop()
@@ -147,13 +158,14 @@ def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url):
     tasks_file = tmp_path / "splits.json"  # training may not share ids with the held-out split
     tasks_file.write_text(json.dumps({"train": [0, 1], "test": [2]}))
 
-    model = tiny_model.build(str(tmp_path / "tiny"), env_names=("corridor",), tokenizer="bpe", vocab_size=300,
-                             layers=1, hidden=32, heads=2)
+    model = tiny_model.build(str(tmp_path / "tiny"), env_names=("corridor",), tokenizer="bpe",
+                             vocab_size=300, layers=1, hidden=32, heads=2)
     out = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "train.py", "--env", "webarena", "--env-addr", webarena_url,
-                        "--tasks-file", str(tasks_file), "--model", model, "--steps", "1", "--batch-size", "2",
-                        "--group-size", "2", "--schedule", "2", "--max-new-tokens", "4", "--threads", "1",
-                        "--eval-every", "0", "--no-dynamic-sampling", "--out", out], cwd=ROOT, capture_output=True,
+                        "--tasks-file", str(tasks_file), "--model", model, "--steps", "1",
+                        "--batch-size", "2", "--group-size", "2", "--schedule", "2",
+                        "--max-new-tokens", "4", "--threads", "1", "--eval-every", "0",
+                        "--no-dynamic-sampling", "--out", out], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(out, "rollouts", "step_000001.jsonl")) as f:
@@ -168,5 +180,6 @@ def test_train_runs_against_the_webarena_protocol(tmp_path, webarena_url):
     (["--env", "nosuchenv"], "--env: unknown environment 'nosuchenv'"),
 ])
 def test_train_names_what_webarena_needs(args, needle):
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr

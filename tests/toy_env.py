@@ -2,8 +2,8 @@
 
 It is also the template for a new environment: an `Env` subclass (env_server/base.py says what each
 method must do) and one `register_env` call that names its class, the instructions that open every
-episode, and the parser that turns a reply into an action (agents.py has the parsers the built-in games
-use). Put the class in env_server/NAME.py and the call in agents.py, next to the others, and
+episode, and the parser that turns a reply into an action (agents.py has the parsers the built-in
+games use). Put the class in env_server/NAME.py and the call in agents.py, next to the others, and
 `python -m env_server NAME`, train.py, eval.py and sft.py all know the game.
 """
 

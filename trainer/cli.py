@@ -46,7 +46,8 @@ class Shared:
                              group="generation")
     max_new_tokens: int = arg(64, "tokens per assistant turn", group="generation")
     vllm_eager: bool = arg(False, "vLLM: skip compiling the model (SmolLM2 on 2 cores: starts in "
-                                  "10 s instead of 70-90 s, decodes 20% slower)", group="generation")
+                                  "10 s instead of 70-90 s, decodes 20% slower)",
+                           group="generation")
     dtype: str = arg("auto", "compute dtype (weights and optimizer stay fp32). auto: bf16 on CUDA "
                              "and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M "
                              "parameters or more, else fp32 (the built-in tiny model)",

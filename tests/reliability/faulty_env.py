@@ -1,9 +1,11 @@
 """A Corridor server with faults on demand, for the reliability tests.
 
-    python tests/reliability/faulty_env.py --port P [--delay S] [--hang-task N] [--fail] [--op-timeout S]
+    python tests/reliability/faulty_env.py --port P [--delay S] [--hang-task N] [--fail]
+        [--op-timeout S]
 
 --delay: seconds per step (a slow game, so that a test can act in the middle of a rollout);
---hang-task: steps of this task never return (a hung game); --fail: every step raises (a broken game).
+--hang-task: steps of this task never return (a hung game); --fail: every step raises (a broken
+game).
 It prints the same "serving corridor on URL" line as `python -m env_server`.
 """
 
@@ -44,7 +46,8 @@ def main() -> None:
     p.add_argument("--fail", action="store_true")
     p.add_argument("--op-timeout", type=float, default=60.0)
     a = p.parse_args()
-    FaultyCorridor.delay, FaultyCorridor.hang_task, FaultyCorridor.fail = a.delay, a.hang_task, a.fail
+    FaultyCorridor.delay, FaultyCorridor.hang_task, FaultyCorridor.fail = (
+        a.delay, a.hang_task, a.fail)
     server = make_server(create_app(FaultyCorridor, op_timeout_s=a.op_timeout), "127.0.0.1", a.port)
     print(f"serving corridor on http://127.0.0.1:{server.effective_port}", flush=True)
     server.run()

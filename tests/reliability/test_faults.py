@@ -22,8 +22,8 @@ from env_client import EnvClient, EnvError, EnvPool
 from env_server.app import ServerProcess, serve_in_thread
 
 FAULTY = os.path.join(ROOT, "tests", "reliability", "faulty_env.py")
-TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
-        "--eval-every", "0", "--schedule", "4"]
+TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
+        "--threads", "1", "--eval-every", "0", "--schedule", "4"]
 
 
 class ThreadedCounter(CounterEnv):
@@ -39,8 +39,10 @@ def test_a_hung_call_costs_its_own_instance_only(env_cls):
             raw(url, "POST", "/create", {"data_idx": 0})
         t0 = time.monotonic()
         status, out = raw(url, "POST", "/batch", {"ops": [
-            {"op": "step", "id": 0, "action": "add 1"}, {"op": "step", "id": 1, "action": "sleep 30"},
-            {"op": "step", "id": 2, "action": "add 1"}, {"op": "step", "id": 3, "action": "add 3"}]})
+            {"op": "step", "id": 0, "action": "add 1"},
+            {"op": "step", "id": 1, "action": "sleep 30"},
+            {"op": "step", "id": 2, "action": "add 1"},
+            {"op": "step", "id": 3, "action": "add 3"}]})
         took = time.monotonic() - t0
         r = out["results"]
         assert status == 200 and took < 5, took
@@ -71,9 +73,9 @@ def step_with_headers(url: str, body: dict) -> tuple[int, dict, dict]:
 
 
 def test_calls_queued_behind_a_slow_call_are_not_hung():
-    """The deadline counts a call's own time, not its wait for the instance: six parallel 0.4 s steps on
-    one instance under a 1 s deadline are each played or told the instance is busy (retry later); none
-    is a 504, and the instance plays on."""
+    """The deadline counts a call's own time, not its wait for the instance: six parallel 0.4 s
+    steps on one instance under a 1 s deadline are each played or told the instance is busy (retry
+    later); none is a 504, and the instance plays on."""
     url, stop = serve_in_thread(CounterEnv, op_timeout_s=1.0, first_id=0)
     try:
         raw(url, "POST", "/create", {"data_idx": 19})
@@ -88,7 +90,8 @@ def test_calls_queued_behind_a_slow_call_are_not_hung():
         assert len(answers) == 6 and 200 in statuses and set(statuses) <= {200, 503}, answers
         for status, out, headers in answers:
             if status == 503:
-                assert "busy" in out["error"] and "hung" not in out["error"] and headers["Retry-After"] == "1"
+                assert ("busy" in out["error"] and "hung" not in out["error"]
+                        and headers["Retry-After"] == "1")
         assert raw(url, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200  # not hung
     finally:
         stop()
@@ -99,7 +102,8 @@ def test_a_call_queued_behind_a_hung_call_hears_so_at_once():
     try:
         raw(url, "POST", "/create", {"data_idx": 19})
         first = []
-        t = threading.Thread(target=lambda: first.append(raw(url, "POST", "/step", {"id": 0, "action": "sleep 30"})))
+        t = threading.Thread(target=lambda: first.append(raw(url, "POST", "/step",
+                                                             {"id": 0, "action": "sleep 30"})))
         t.start()
         time.sleep(0.25)
         status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})  # waits for the lock
@@ -124,8 +128,9 @@ def test_idle_time_counts_from_the_end_of_a_call():
 
 
 def test_pool_replaces_instances_lost_with_their_server():
-    """Killed mid-episode and started again on the same port: the steps in flight are env errors, and
-    the next reset plays on new instances; the old ids are unknown to the new server (never reused)."""
+    """Killed mid-episode and started again on the same port: the steps in flight are env errors,
+    and the next reset plays on new instances; the old ids are unknown to the new server (never
+    reused)."""
     url, stop = serve_in_thread(CounterEnv)
     port = int(url.rsplit(":", 1)[1])
     pool = EnvPool(url, 4, retries=0)
@@ -154,7 +159,8 @@ def free_port() -> int:
 
 
 class Faulty:
-    """tests/reliability/faulty_env.py in a child process on a fixed port: .url, .kill(), .start()."""
+    """tests/reliability/faulty_env.py in a child process on a fixed port: .url, .kill(),
+    .start()."""
 
     def __init__(self, *args: str, port: int | None = None):
         self.args, self.port = args, port or free_port()
@@ -163,8 +169,10 @@ class Faulty:
 
     def start(self) -> None:
         for _ in range(50):  # the port may still be held for a moment by the killed one
-            self.proc = subprocess.Popen([sys.executable, FAULTY, "--port", str(self.port), *self.args],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen([sys.executable, FAULTY, "--port", str(self.port),
+                                          *self.args],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
             if self.proc.stdout.readline().startswith("serving "):
                 return
             self.proc.wait()
@@ -226,7 +234,8 @@ def test_server_killed_mid_rollout_then_back(tmp_path, cache_dir):
     server, and once it is back the pool plays on new instances."""
     out = str(tmp_path / "run")
     with Faulty("--delay", "0.3") as server:
-        proc = start_train([*TINY, "--steps", "4", "--out", out, "--env-addr", server.url, "--env-wait", "60"],
+        proc = start_train([*TINY, "--steps", "4", "--out", out, "--env-addr", server.url,
+                            "--env-wait", "60"],
                            cache_dir)
         wait_for(lambda: n_metrics(out) >= 1, proc=proc)
         time.sleep(0.5)  # inside step 2's rollout: every turn takes 0.3 s
@@ -244,7 +253,8 @@ def test_server_killed_mid_rollout_then_back(tmp_path, cache_dir):
 
 
 def child_servers(pid: int) -> list[int]:
-    """The env server processes started by `pid` (from /proc/*/stat: field 4 is the parent's pid)."""
+    """The env server processes started by `pid` (from /proc/*/stat: field 4 is the parent's
+    pid)."""
     kids = []
     for d in os.listdir("/proc"):
         try:
@@ -259,7 +269,8 @@ def child_servers(pid: int) -> list[int]:
 
 def test_a_local_server_that_dies_is_restarted(tmp_path, cache_dir):
     out = str(tmp_path / "run")
-    # enough steps that the kill, made after the first one, lands well before the last however fast they are
+    # enough steps that the kill, made after the first one, lands well before the last however
+    # fast they are
     proc = start_train([*TINY, "--steps", "30", "--out", out], cache_dir)
     wait_for(lambda: n_metrics(out) >= 1, proc=proc)
     (pid,) = child_servers(proc.pid)
@@ -272,12 +283,13 @@ def test_a_local_server_that_dies_is_restarted(tmp_path, cache_dir):
 
 
 def test_a_hung_game_hits_its_timeout(tmp_path, cache_dir):
-    """Task 0 never answers a step: its trajectories end as env errors after --op-timeout, the server's
-    deadline; task 1's are played and trained on, step after step."""
+    """Task 0 never answers a step: its trajectories end as env errors after --op-timeout, the
+    server's deadline; task 1's are played and trained on, step after step."""
     out, tasks = str(tmp_path / "run"), tmp_path / "tasks.json"
     tasks.write_text(json.dumps({"train": [0, 1], "test": []}))
     with Faulty("--hang-task", "0", "--op-timeout", "1") as server:
-        code, log = finish(start_train([*TINY, "--steps", "2", "--out", out, "--env-addr", server.url,
+        code, log = finish(start_train([*TINY, "--steps", "2", "--out", out,
+                                        "--env-addr", server.url,
                                         "--tasks-file", str(tasks)], cache_dir))
     assert code == 0, log[-3000:]
     for x in metrics(out):
@@ -290,7 +302,8 @@ def test_a_hung_game_hits_its_timeout(tmp_path, cache_dir):
 def test_too_many_env_errors_stop_the_run(tmp_path, cache_dir):
     out = str(tmp_path / "run")
     with Faulty("--fail") as server:
-        code, log = finish(start_train([*TINY, "--steps", "6", "--out", out, "--env-addr", server.url,
+        code, log = finish(start_train([*TINY, "--steps", "6", "--out", out,
+                                        "--env-addr", server.url,
                                         "--env-error-patience", "2"], cache_dir))
     assert code == 1, log[-3000:]
     assert "--max-env-error-share" in log and "injected fault" in log and "--resume" in log
@@ -299,16 +312,18 @@ def test_too_many_env_errors_stop_the_run(tmp_path, cache_dir):
     assert os.path.exists(os.path.join(out, "checkpoint", "trainer_state.pt"))
 
 
-# ---------------------------------------------------------------- SciWorld: a JVM that stops answering
-SCIWORLD_MISSING = ("the scienceworld package is not installed" if importlib.util.find_spec("scienceworld") is None
+# ------------------------------------------------------------- SciWorld: a JVM that stops answering
+SCIWORLD_MISSING = ("the scienceworld package is not installed"
+                    if importlib.util.find_spec("scienceworld") is None
                     else "java is not on PATH" if shutil.which("java") is None else None)
 
 
-@pytest.mark.skipif(SCIWORLD_MISSING is not None, reason=f"ScienceWorld cannot run: {SCIWORLD_MISSING}")
+@pytest.mark.skipif(SCIWORLD_MISSING is not None,
+                    reason=f"ScienceWorld cannot run: {SCIWORLD_MISSING}")
 def test_a_frozen_jvm_costs_its_own_instance_only():
     """A JVM that is alive but never answers (SIGSTOP) would block its caller forever: the server's
-    deadline answers 504, the other instance plays on, and closing the hung one kills its JVM. (A JVM
-    that dies outright: tests/test_sciworld.py.)"""
+    deadline answers 504, the other instance plays on, and closing the hung one kills its JVM. (A
+    JVM that dies outright: tests/test_sciworld.py.)"""
     # --op-timeout 20: a reset on a loaded 2-core machine has taken more than 8 s
     with ServerProcess("sciworld", "--max-jvms", "2", "--op-timeout", "20", "--threads", "4") as s:
         a, b = EnvClient(s.url), EnvClient(s.url)

@@ -1,6 +1,6 @@
 """What a server exposes: loopback only by default, no cross-site or DNS-rebinding requests, bounded
-request bodies and instance counts (JSON errors, whoever answers), no request text ever run as code, and
-a viewer that serves nothing outside its run folders."""
+request bodies and instance counts (JSON errors, whoever answers), no request text ever run as code,
+and a viewer that serves nothing outside its run folders."""
 
 import ast
 import glob
@@ -42,8 +42,8 @@ def test_env_server_binds_loopback_by_default():
 
 def test_viewer_binds_loopback_by_default(tmp_path):
     (tmp_path / "rollouts").mkdir()
-    p = subprocess.Popen([sys.executable, "-m", "tools.viewer", str(tmp_path), "--port", "0"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "tools.viewer", str(tmp_path), "--port", "0"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = p.stdout.readline()
         assert "http://127.0.0.1:" in line, line
@@ -68,56 +68,69 @@ JSON = {"Content-Type": "application/json"}
 
 
 def test_simple_cross_site_posts_are_refused(toy_server):
-    """A web page can POST cross-site without the browser asking first only as text/plain, a form or no
-    type at all: such a POST with a body gets a 415 and never reaches a game. One without a body passes
-    (AgentGym's clients create so); a browser sends it with an Origin, refused below."""
-    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
-                    {"Content-Type": "multipart/form-data; boundary=x"}, {"Accept": "*/*"}):  # the last: no type
+    """A web page can POST cross-site without the browser asking first only as text/plain, a form or
+    no type at all: such a POST with a body gets a 415 and never reaches a game. One without a body
+    passes (AgentGym's clients create so); a browser sends it with an Origin, refused below."""
+    for headers in ({"Content-Type": "text/plain"},
+                    {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Content-Type": "multipart/form-data; boundary=x"},
+                    {"Accept": "*/*"}):  # the last: no type
         status, e = raw(toy_server, "POST", "/create", "{}", headers)
         assert status == 415 and "Content-Type: application/json" in e["error"], (headers, e)
-        status, e = raw(toy_server, "POST", "/create", "", {**headers, "Origin": "http://evil.example"})
+        status, e = raw(toy_server, "POST", "/create", "",
+                        {**headers, "Origin": "http://evil.example"})
         assert status == 403, (headers, e)
     assert raw(toy_server, "GET", "/")[1]["instances"] == 0
-    status, c = raw(toy_server, "POST", "/create", {}, {"Content-Type": "application/json; charset=utf-8"})
+    status, c = raw(toy_server, "POST", "/create", {},
+                    {"Content-Type": "application/json; charset=utf-8"})
     assert status == 200 and c["id"] == 0
 
 
 def test_foreign_origins_are_refused(toy_server):
     own = f"http://127.0.0.1:{urlsplit(toy_server).port}"
-    other_port = f"http://127.0.0.1:{urlsplit(toy_server).port + 1}"  # another local site: another origin
+    # another local site: another origin
+    other_port = f"http://127.0.0.1:{urlsplit(toy_server).port + 1}"
     for origin in ("http://evil.example", "null", other_port, "https://127.0.0.1", "garbage"):
         for method, path, body in (("POST", "/create", {}), ("GET", "/", None)):
             status, e = raw(toy_server, method, path, body, {**JSON, "Origin": origin})
             assert status == 403 and "Origin" in e["error"], (origin, path, e)
     assert raw(toy_server, "GET", "/")[1]["instances"] == 0
-    assert raw(toy_server, "POST", "/create", {}, {**JSON, "Origin": own})[0] == 200  # the server's own pages
+    # the server's own pages
+    assert raw(toy_server, "POST", "/create", {}, {**JSON, "Origin": own})[0] == 200
 
 
 def test_dns_rebinding_is_refused_on_loopback(toy_server):
     """evil.example resolving to 127.0.0.1 lets a page read from "its own" origin: the Host it sends
     gives it away."""
     port = urlsplit(toy_server).port
-    for host in (f"evil.example:{port}", "evil.example", "10.0.0.1", f"127.0.0.1.evil.example:{port}", "[::1"):
-        for method, path, body in (("GET", "/", None), ("POST", "/create", {}), ("GET", "/tasks", None)):
+    for host in (f"evil.example:{port}", "evil.example", "10.0.0.1",
+                 f"127.0.0.1.evil.example:{port}", "[::1"):
+        for method, path, body in (("GET", "/", None), ("POST", "/create", {}),
+                                   ("GET", "/tasks", None)):
             status, e = raw(toy_server, method, path, body, {**JSON, "Host": host})
             assert status == 403 and "Host" in e["error"], (host, path, e)
-    for host in (f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", f"[::1]:{port}", "127.0.0.2:1"):
+    for host in (f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", f"[::1]:{port}",
+                 "127.0.0.2:1"):
         assert raw(toy_server, "GET", "/", None, {"Host": host})[0] == 200, host
     assert raw(toy_server, "GET", "/")[1]["instances"] == 0
 
 
 def test_a_server_bound_elsewhere_takes_any_host():
-    """Bound to another address (--host), Host names cannot be known beforehand: any is accepted (and
-    there is no authentication: docs/reliability.md). make_server tells the app where it is bound."""
-    apps = [create_app(CounterEnv, host=h, idle_timeout_s=0) for h in ("0.0.0.0", "127.0.0.1", "0.0.0.0")]
+    """Bound to another address (--host), Host names cannot be known beforehand: any is accepted
+    (and there is no authentication: docs/reliability.md). make_server tells the app where it is
+    bound."""
+    apps = [create_app(CounterEnv, host=h, idle_timeout_s=0)
+            for h in ("0.0.0.0", "127.0.0.1", "0.0.0.0")]
     try:
         c = apps[0].test_client()
         assert c.get("/", headers={"Host": "gpu-node-7:36001"}).status_code == 200
         assert c.post("/create", json={}, headers={"Host": "10.1.2.3:36001"}).status_code == 200
-        assert c.post("/create", data="{}", content_type="text/plain").status_code == 415  # still no simple POSTs
+        # still no simple POSTs
+        assert c.post("/create", data="{}", content_type="text/plain").status_code == 415
         assert c.get("/", headers={"Origin": "http://evil.example"}).status_code == 403
         assert apps[1].test_client().get("/", headers={"Host": "gpu-node-7"}).status_code == 403
-        server = make_server(apps[2], "127.0.0.1", 0)  # told 0.0.0.0, bound to loopback: loopback's rule
+        # told 0.0.0.0, bound to loopback: loopback's rule
+        server = make_server(apps[2], "127.0.0.1", 0)
         server.close()
         assert apps[2].test_client().get("/", headers={"Host": "gpu-node-7"}).status_code == 403
     finally:
@@ -131,7 +144,8 @@ def test_viewer_refuses_cross_site_and_rebinding(tmp_path):
     assert c.get("/").status_code == 200
     for headers in ({"Host": "evil.example:8008"}, {"Origin": "http://evil.example"}):
         r = c.get("/run/0", headers=headers)
-        assert r.status_code == 403 and "error" in r.get_json() and str(tmp_path) not in r.get_data(as_text=True)
+        assert (r.status_code == 403 and "error" in r.get_json()
+                and str(tmp_path) not in r.get_data(as_text=True))
     r = c.post("/", data="x", content_type="text/plain")
     assert r.status_code == 415 and "error" in r.get_json()
     open_c = viewer.create_app([str(tmp_path)], host="0.0.0.0").test_client()
@@ -151,7 +165,8 @@ def test_own_and_agentgym_style_clients_pass(toy_server):
     requests = pytest.importorskip("requests")  # AgentGym's clients: requests.post(json=...)
     r = requests.post(f"{toy_server}/create", json={"data_idx": 0}, timeout=10)
     assert r.status_code == 200 and r.json()["observation"] == "Reach 3."
-    assert requests.get(f"{toy_server.replace('127.0.0.1', 'localhost')}/", timeout=10).status_code == 200
+    assert requests.get(f"{toy_server.replace('127.0.0.1', 'localhost')}/",
+                        timeout=10).status_code == 200
 
 
 # ---------------------------------------------------------------- errors waitress answers itself
@@ -173,8 +188,8 @@ def send_raw(port: int, data: bytes) -> tuple[int, bytes, bytes]:
 
 
 def test_errors_waitress_answers_itself_are_json(make_toy_server):
-    """Past 16 x the app's body cap waitress refuses without asking the app; a request it cannot parse
-    it answers itself too. Those answers are JSON as well."""
+    """Past 16 x the app's body cap waitress refuses without asking the app; a request it cannot
+    parse it answers itself too. Those answers are JSON as well."""
     port = urlsplit(make_toy_server(max_body_bytes=1000)).port
     cases = {
         413: b"POST /step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -185,23 +200,26 @@ def test_errors_waitress_answers_itself_are_json(make_toy_server):
     }
     for code, data in cases.items():
         status, head, body = send_raw(port, data)
-        assert status == code and b"content-type: application/json" in head.lower(), (code, head, body[:200])
+        assert (status == code
+                and b"content-type: application/json" in head.lower()), (code, head, body[:200])
         assert isinstance(json.loads(body)["error"], str), (code, body[:200])
-    status, head, body = send_raw(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    status, head, body = send_raw(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                        b"Connection: close\r\n\r\n")
     assert status == 200 and json.loads(body)["status"] == "ok"  # still serving
 
 
-# Calls that would run text as code, or hand it to a shell or an unpickler: (module, name), None for builtins.
-FORBIDDEN = {(None, "eval"), (None, "exec"), (None, "compile"), (None, "__import__"), ("os", "system"),
-             ("os", "popen"), ("pickle", "loads"), ("pickle", "load"), ("yaml", "load"), ("marshal", "loads"),
-             ("importlib", "import_module")}
+# Calls that would run text as code, or hand it to a shell or an unpickler: (module, name), None for
+# builtins.
+FORBIDDEN = {(None, "eval"), (None, "exec"), (None, "compile"), (None, "__import__"),
+             ("os", "system"), ("os", "popen"), ("pickle", "loads"), ("pickle", "load"),
+             ("yaml", "load"), ("marshal", "loads"), ("importlib", "import_module")}
 # server_class imports the module of a name from its fixed ENVS table (given on the command line).
 REGISTRY = os.path.join(ROOT, "env_server", "agents.py")
 
 
 def test_no_request_text_is_ever_run_as_code():
-    """The code that serves requests has no eval/exec/compile, no os.system, no pickle/yaml loads and no
-    shell=True: an action or a field value is data, whatever it says."""
+    """The code that serves requests has no eval/exec/compile, no os.system, no pickle/yaml loads
+    and no shell=True: an action or a field value is data, whatever it says."""
     files = glob.glob(os.path.join(ROOT, "env_server", "*.py")) + [os.path.join(ROOT, f) for f in (
         os.path.join("tools", "viewer.py"), "env_client.py")]
     found = []
@@ -211,8 +229,10 @@ def test_no_request_text_is_ever_run_as_code():
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
-            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+            name = (f.id if isinstance(f, ast.Name)
+                    else f.attr if isinstance(f, ast.Attribute) else None)
+            owner = (f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                     else None)
             if (owner, name) in FORBIDDEN and (path, name) != (REGISTRY, "import_module"):
                 found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {owner}.{name}")
             if any(k.arg == "shell" and getattr(k.value, "value", False) for k in node.keywords):
@@ -224,7 +244,8 @@ def test_an_action_is_only_data():
     with ServerProcess("textcraft") as s:
         status, c = raw(s.url, "POST", "/create", {"data_idx": 0})
         marker = os.path.join(ROOT, "should_not_exist")
-        for action in [f"__import__('os').system('touch {marker}')", f"$(touch {marker})", "{{7*7}}"]:
+        for action in [f"__import__('os').system('touch {marker}')", f"$(touch {marker})",
+                       "{{7*7}}"]:
             status, r = raw(s.url, "POST", "/step", {"id": c["id"], "action": action})
             assert status == 200 and "49" not in r["observation"]
         assert not os.path.exists(marker)
@@ -232,8 +253,8 @@ def test_an_action_is_only_data():
 
 def test_viewer_serves_nothing_outside_its_run_folders(tmp_path):
     secret = tmp_path / "secret.jsonl"
-    secret.write_text(json.dumps({"messages": [{"role": "user", "content": "TOP SECRET"}], "token_ids": [],
-                                  "loss_mask": [], "logprobs": []}) + "\n")
+    secret.write_text(json.dumps({"messages": [{"role": "user", "content": "TOP SECRET"}],
+                                  "token_ids": [], "loss_mask": [], "logprobs": []}) + "\n")
     run = tmp_path / "run"
     (run / "rollouts").mkdir(parents=True)
     os.symlink(secret, run / "rollouts" / "step_000001.jsonl")  # a link that leads out of the run
@@ -246,12 +267,15 @@ def test_viewer_serves_nothing_outside_its_run_folders(tmp_path):
 
 
 def test_viewer_follows_no_metrics_or_config_link_out_of_the_run(tmp_path):
-    """metrics.jsonl, eval.jsonl and config.json linked out of the run folder are not read (the curves
-    and step table would show another folder's numbers; config.json names the tokenizer to load)."""
+    """metrics.jsonl, eval.jsonl and config.json linked out of the run folder are not read (the
+    curves and step table would show another folder's numbers; config.json names the tokenizer to
+    load)."""
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    (outside / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.12345, "max_turns": 3}) + "\n")
-    (outside / "eval.jsonl").write_text(json.dumps({"step": 0, "success_rate": 0.6789, "tasks": 3}) + "\n")
+    (outside / "metrics.jsonl").write_text(json.dumps({"step": 1, "success_rate": 0.12345,
+                                                       "max_turns": 3}) + "\n")
+    (outside / "eval.jsonl").write_text(json.dumps({"step": 0, "success_rate": 0.6789,
+                                                    "tasks": 3}) + "\n")
     (outside / "config.json").write_text(json.dumps({"model": "/secret/model"}))
     run = tmp_path / "run"
     (run / "rollouts").mkdir(parents=True)
@@ -268,7 +292,8 @@ def test_viewer_answers_huge_numbers_with_404_not_500(tmp_path):
     (run / "rollouts").mkdir(parents=True)
     (run / "rollouts" / "step_000001.jsonl").write_text(json.dumps({"messages": []}) + "\n")
     c = viewer.create_app([str(run)]).test_client()
-    for url in ["/run/0/step/1/traj/99999999999999999999", "/run/0/step/1/compare?a=1&b=99999999999999999999",
+    for url in ["/run/0/step/1/traj/99999999999999999999",
+                "/run/0/step/1/compare?a=1&b=99999999999999999999",
                 "/run/0/step/99999999999999999999", "/run/0/step/1?page=99999999999999999999"]:
         assert c.get(url).status_code == 404, url
 
@@ -289,17 +314,20 @@ def test_resume_never_unpickles_code(tmp_path):
     from trainer import checkpoints
 
     out, marker = tmp_path / "run", tmp_path / "ran"
-    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "1", "--schedule", "2",
-                        "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
-                        "--eval-every", "0", "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "1",
+                        "--schedule", "2", "--batch-size", "2", "--group-size", "2",
+                        "--max-new-tokens", "4", "--threads", "1", "--eval-every", "0",
+                        "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     state = out / "checkpoint" / "trainer_state.pt"
     assert checkpoints.load_data(str(state))["step"] == 1  # the real file is plain data
     torch.save({"step": 1, "payload": RunsCode(str(marker))}, state)
-    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "2", "--schedule", "2",
-                        "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1",
-                        "--eval-every", "0", "--out", str(out), "--resume", "--cache-dir", str(tmp_path / "cache")],
+    r = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--steps", "2",
+                        "--schedule", "2", "--batch-size", "2", "--group-size", "2",
+                        "--max-new-tokens", "4", "--threads", "1", "--eval-every", "0",
+                        "--out", str(out), "--resume", "--cache-dir", str(tmp_path / "cache")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "holds more than plain data" in r.stderr and "Traceback" not in r.stderr
+    assert (r.returncode != 0 and "holds more than plain data" in r.stderr
+            and "Traceback" not in r.stderr)
     assert not marker.exists()  # the payload never ran

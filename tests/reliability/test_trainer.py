@@ -1,6 +1,7 @@
-"""The trainer under interruption: Ctrl-C and SIGTERM save a checkpoint and exit cleanly, --resume then
-continues exactly as if nothing had happened (same stage, same data order, same samples), a checkpoint
-write cut short never replaces the last good one, and the same seed gives the same trajectories."""
+"""The trainer under interruption: Ctrl-C and SIGTERM save a checkpoint and exit cleanly, --resume
+then continues exactly as if nothing had happened (same stage, same data order, same samples), a
+checkpoint write cut short never replaces the last good one, and the same seed gives the same
+trajectories."""
 
 import os
 import signal
@@ -29,7 +30,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slow_server():
-    with Faulty("--delay", "0.15") as server:  # rollouts long enough to be interrupted in the middle
+    # rollouts long enough to be interrupted in the middle
+    with Faulty("--delay", "0.15") as server:
         yield server
 
 
@@ -37,37 +39,46 @@ def slow_server():
 def reference(tmp_path_factory, cache_dir, slow_server):
     """4 steps without interruption."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
-    code, log = finish(start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url], cache_dir))
+    code, log = finish(start_train([*COMMON, "--steps", "4", "--out", out,
+                                    "--env-addr", slow_server.url], cache_dir))
     assert code == 0, log[-3000:]
     return out
 
 
 def test_same_seed_same_first_step(tmp_path, cache_dir, slow_server, reference):
     out = str(tmp_path / "run")
-    code, log = finish(start_train([*COMMON, "--steps", "1", "--out", out, "--env-addr", slow_server.url], cache_dir))
+    code, log = finish(start_train([*COMMON, "--steps", "1", "--out", out,
+                                    "--env-addr", slow_server.url], cache_dir))
     assert code == 0, log[-3000:]
     assert rollouts(out, 1) == rollouts(reference, 1)  # token ids, log-probs, messages, rewards
     assert strip(metrics(out)[0]) == strip(metrics(reference)[0])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_mid_rollout_saves_and_resume_continues_exactly(tmp_path, cache_dir, slow_server, reference, sig):
+def test_a_signal_mid_rollout_saves_and_resume_continues_exactly(tmp_path, cache_dir, slow_server,
+                                                                 reference, sig):
     out = str(tmp_path / "run")
-    proc = start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url], cache_dir)
+    proc = start_train([*COMMON, "--steps", "4", "--out", out, "--env-addr", slow_server.url],
+                       cache_dir)
     wait_for(lambda: n_metrics(out) >= 2, proc=proc)
     time.sleep(0.3)  # in step 3's rollout (at least 4 x 0.15 s of env time)
     proc.send_signal(sig)
     code, log = finish(proc)
     assert code == 128 + sig, log[-3000:]
-    assert f"interrupted ({sig.name})" in log and "checkpoint at step 2" in log and "Traceback" not in log
+    assert (f"interrupted ({sig.name})" in log and "checkpoint at step 2" in log
+            and "Traceback" not in log)
     assert f"continue with: python train.py --resume --out {out}\n" in log
-    assert torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)["step"] == 2
-    assert n_metrics(out) == 2 and not os.path.exists(os.path.join(out, "rollouts", "step_000003.jsonl"))
+    assert torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"),
+                      weights_only=False)["step"] == 2
+    assert n_metrics(out) == 2 and not os.path.exists(os.path.join(out, "rollouts",
+                                                                   "step_000003.jsonl"))
 
-    code, log = finish(start_train(["--resume", "--out", out], cache_dir))  # the command printed: no other flag
+    # the command printed: no other flag
+    code, log = finish(start_train(["--resume", "--out", out], cache_dir))
     assert code == 0, log[-3000:]
     got, want = metrics(out), metrics(reference)
-    assert [x["step"] for x in got] == [1, 2, 3, 4] and [x["max_turns"] for x in got] == [2, 2, 4, 4]
+    assert ([x["step"] for x in got] == [1, 2, 3, 4]
+            and [x["max_turns"] for x in got] == [2, 2, 4, 4])
     assert [strip(x) for x in got] == [strip(x) for x in want]
     for step in (3, 4):
         assert rollouts(out, step) == rollouts(reference, step)
@@ -127,11 +138,13 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
     with pytest.raises(KeyboardInterrupt):
         save(2)
     monkeypatch.setattr(torch, "save", real_save)
-    assert checkpoints.find_checkpoint(out) == os.path.join(out, "checkpoint") and step_of(checkpoints.find_checkpoint(out)) == 1
+    assert (checkpoints.find_checkpoint(out) == os.path.join(out, "checkpoint")
+            and step_of(checkpoints.find_checkpoint(out)) == 1)
 
     real_replace, calls = os.replace, []
 
-    def crash_between_renames(a, b):  # killed after checkpoint -> checkpoint.old, before tmp -> checkpoint
+    # killed after checkpoint -> checkpoint.old, before tmp -> checkpoint
+    def crash_between_renames(a, b):
         calls.append(b)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -151,8 +164,8 @@ def test_an_interrupted_checkpoint_never_replaces_the_good_one(tmp_path, cache_d
 
 
 def test_the_checkpoint_renames_are_made_durable(tmp_path, cache_dir, monkeypatch):
-    """After the swap the run folder itself is fsynced (its entries are what the renames changed), and so
-    is every file and folder of the new checkpoint before it."""
+    """After the swap the run folder itself is fsynced (its entries are what the renames changed),
+    and so is every file and folder of the new checkpoint before it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = models.default_model_path("corridor", cache_dir)
@@ -167,11 +180,14 @@ def test_the_checkpoint_renames_are_made_durable(tmp_path, cache_dir, monkeypatc
         return fd
 
     monkeypatch.setattr(os, "open", record_open)
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd))), real_fsync(fd))[1])
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.abspath(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.abspath(b))),
+                                                     real_replace(a, b))[1])
     for step in (1, 2):
         events.clear()
-        checkpoints.save_checkpoint(out, model, tok, None, {"policy": torch.optim.AdamW(model.parameters())},
+        checkpoints.save_checkpoint(out, model, tok, None,
+                                    {"policy": torch.optim.AdamW(model.parameters())},
                                     {"step": step})
         swap = events.index(("replace", os.path.join(out, "checkpoint")))
         assert ("fsync", os.path.abspath(out)) in events[swap + 1:], events[swap:]

@@ -3,11 +3,11 @@ for many. It plays this project's servers and AgentGym's own; each AgentGym dial
 bare answers, `score` or `reward`, WebArena's terminated/truncated, errors sent as HTTP 200) is
 handled where it is read, with a comment.
 
-The contract (docs/reliability.md): every failure, a malformed answer included (a NaN reward, a
-done of "false"), raises or returns an `EnvError`, never a reward of 0; the rollout drops such
-trajectories from the loss. Only calls that cannot change the game are retried (never `step`); a
-create's `request_key`, the same on each retry, makes a server that lost its answer give the same
-instance back; `EnvPool` replaces instances lost with their server at the next reset.
+The contract (docs/reliability.md): every failure, a malformed answer included (a NaN or missing
+reward, a done of "false"), raises or returns an `EnvError`, never a reward of 0; the rollout drops
+such trajectories from the loss. Only calls that cannot change the game are retried (never
+`step`); a create's `request_key`, the same on each retry, makes a server that lost its answer give
+the same instance back; `EnvPool` replaces instances lost with their server at the next reset.
 """
 
 from __future__ import annotations
@@ -195,6 +195,8 @@ def _step_from(raw) -> Step:
     if not isinstance(raw, dict) or "observation" not in raw:
         raise EnvError("protocol", f"step answer without an observation: {str(raw)[:200]}")
     values = {k: _number(raw, k) for k in ("score", "reward") if k in raw}  # both checked
+    if not values or not {"done", "terminated", "truncated"} & raw.keys():
+        raise EnvError("protocol", f"step answer without a reward or done: {str(raw)[:200]}")
     if "done" in raw:
         done = _flag(raw, "done")
         value = values.get("score", values.get("reward", 0.0))

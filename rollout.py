@@ -195,7 +195,7 @@ class EnginePolicy:
                                        self.fmt.stop_ids, cfg.temperature, cfg.top_p,
                                        self.generator, reuse=True)
         return [Reply(self.fmt.decode(s.ids[:-1] if s.stopped else s.ids), s.ids, s.logprobs,
-                      s.stopped)
+                      s.stopped and s.ids[-1] == self.fmt.eot_id)  # stopped by eos: eot follows
                 for s in samples]
 
     def finish(self) -> None:

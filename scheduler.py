@@ -59,7 +59,7 @@ class HorizonSchedule:
         if theirs != {k: mine[k] for k in theirs}:
             raise ValueError(f"checkpoint schedule {theirs} does not match this run's "
                              f"{self._config()} ({self.describe()}); "
-                             "resume with the same --schedule")
+                             "resume with the same --schedule and --schedule-every")
 
 
 def check_step(step: int) -> int:

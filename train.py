@@ -88,7 +88,7 @@ def advantages(run, rows: Rows) -> tuple:
                               cfg.lam, whiten=global_whiten,
                               turn_ids=batch["turn_ids"][:, 1:],  # shifted as the mask
                               state_keys=[turn_state_keys(t) for t in trajs],  # GiGPO's anchors
-                              turn_rewards=[t.turn_rewards or None for t in trajs],
+                              turn_rewards=[t.turn_rewards for t in trajs],
                               step_adv_weight=cfg.step_adv_weight)
     adv, returns = est.fn(x)
     return adv, returns, values
@@ -112,7 +112,7 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     # trainer's, recomputed: in bf16 a cached decode and a whole-row forward round differently
     # (0.04 a token), vLLM renormalises a top_p < 1 nucleus, and --tis-cap compares the two.
     old_lp = sampler_lp
-    if (cfg.tis_cap is not None or run.prec.dtype != torch.float32
+    if (cfg.tis_cap is not None or run.compute_dtype != torch.float32
             or (run.engine_kind != "hf" and cfg.top_p < 1)):
         old_lp = rows.passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx),
                                                         cfg.temperature, mask=mask[idx])[0],

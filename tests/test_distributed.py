@@ -152,7 +152,7 @@ def run_update(flags, model_dir, trajs, sharded: bool):
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
     run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                          optims=optims, pad=0,
+                          compute_dtype=torch.float32, optims=optims, pad=0,
                           device=torch.device("cpu"), engine_kind=cfg.engine,
                           update_gen=torch.Generator().manual_seed(cfg.seed))
     stats = train_update(run, trajs)

@@ -454,7 +454,18 @@ def test_valid_step_answers_still_parse():
     assert (webarena.reward, webarena.done) == (1.0, True)
     cut = _step_from({"observation": "o", "reward": 1.0, "terminated": 0, "truncated": 1})
     assert (cut.reward, cut.done) == (0.0, True)
-    assert _step_from({"observation": "o"}).reward == 0.0  # no reward sent: 0, as before
+
+
+@pytest.mark.parametrize("raw", [{"observation": "o", "done": True},
+                                 {"observation": "o", "reward": 1.0},
+                                 {"observation": "o", "terminated": True, "truncated": False},
+                                 {"observation": "o"}])
+def test_a_step_answer_without_a_reward_or_a_done_flag_is_malformed(raw):
+    """Neither score nor reward, or none of done, terminated, truncated: a protocol error, never a
+    reward of 0 or an episode still running."""
+    with pytest.raises(EnvError) as e:
+        _step_from(raw)
+    assert e.value.kind == "protocol" and "without a reward or done" in e.value.message
 
 
 @pytest.mark.parametrize("batch", [False, True])

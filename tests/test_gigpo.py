@@ -4,12 +4,14 @@ naive Python loop; rollout's per-turn inputs to it (turn_ids, turn_state_keys, t
 import math
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 import algos
+import train
 from env_client import Step
 from env_server.agents import REFLECT_ASK, RESTART
 from rollout import Reply, RolloutConfig, Trajectory, build_batch, rollout, turn_state_keys
@@ -290,15 +292,15 @@ def hand_trajectories() -> list[Trajectory]:
     return trajs
 
 
-def test_the_callers_lines_fill_gigpos_inputs_from_a_batch_and_its_trajectories():
-    trajs = hand_trajectories()
+def test_the_trainer_fills_gigpos_inputs_from_a_batch_and_its_trajectories():
+    """train.advantages on the by-hand batch plus a row without turns (the blank row Rows adds under
+    torchrun; a row cut by --max-context before its first reply): the hand values, 0 on it."""
+    blank = Trajectory("", -1, -1, [], [0, 0], [0, 0], [0.0, 0.0])
+    trajs = hand_trajectories() + [blank]
     batch = build_batch(trajs, pad_id=0)
-    mask = batch["loss_mask"][:, 1:]  # as the trainer: token t+1's mask at t
-    # the lines the trainer's `advantages` needs, besides the fields it fills already
-    x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, None, 0.5, 1.0,
-                              turn_ids=batch["turn_ids"][:, 1:],
-                              state_keys=[turn_state_keys(t) for t in trajs],
-                              turn_rewards=[t.turn_rewards for t in trajs], step_adv_weight=1.0)
-    assert batch["turn_ids"][:, 1:].tolist() == HAND_TURN_IDS
-    adv, _ = algos.estimator("gigpo").fn(x)
-    assert_close(adv, hand_expected())
+    assert batch["turn_ids"][:-1, 1:].tolist() == HAND_TURN_IDS
+    cfg = train.parse_args(["--env", "corridor", "--algo", "gigpo", "--gamma", "0.5"])
+    adv, _, _ = train.advantages(SimpleNamespace(cfg=cfg, critic=None),
+                                 SimpleNamespace(batch=batch, trajs=trajs))
+    assert_close(adv[:-1], hand_expected())
+    assert not adv[-1].any()

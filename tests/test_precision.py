@@ -25,10 +25,13 @@ def tiny(seed: int = 0):
     return build_model(vocab_size=50, layers=2, hidden=32, heads=2)
 
 
-def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32):
+def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32, compute_dtype=None):
+    """A run for train.update; `compute_dtype` other than `dtype`: FSDP's mixed precision, which
+    computes in bf16 while prec stays fp32 (trainer/run.py)."""
     cfg = train.parse_args(["--env", "corridor", *flags])
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
     return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None,
+                           compute_dtype=compute_dtype or dtype,
                            critic=None, optims={"policy": opt}, pad=0, device=torch.device("cpu"),
                            engine_kind=cfg.engine,
                            update_gen=torch.Generator().manual_seed(cfg.seed))
@@ -85,16 +88,18 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
     ("hf", torch.float32, ["--top-p", "0.9"], False),  # HF records the untruncated log-prob
     ("vllm", torch.float32, ["--top-p", "0.9"], True),  # vLLM's is the renormalised nucleus's
     ("hf", torch.bfloat16, [], True), ("vllm", torch.bfloat16, [], True),  # bf16 rounds apart
+    ("hf", "fsdp-bf16", [], True),  # under torchrun: prec fp32, FSDP computes in bf16
     ("hf", torch.float32, ["--tis-cap", "2"], True)])
 def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind, dtype, flags,
                                                                             recomputed,
                                                                             monkeypatch):
     """The update's extra forward over the rows (the PPO ratio's denominator from the trainer)
-    runs where the sampler's log-probs are not the trainer's numbers: bf16, vLLM with top_p < 1,
-    --tis-cap; in fp32 vLLM's log-probs are the trainer's to 3.4e-6 a token
+    runs where the sampler's log-probs are not the trainer's numbers: bf16 (FSDP's too), vLLM
+    with top_p < 1, --tis-cap; in fp32 vLLM's log-probs are the trainer's to 3.4e-6 a token
     (bench/sampler_gap.py)."""
     base = tiny()
-    run = run_of(flags, copy.deepcopy(base), dtype=dtype)
+    run = (run_of(flags, copy.deepcopy(base), compute_dtype=torch.bfloat16) if dtype == "fsdp-bf16"
+           else run_of(flags, copy.deepcopy(base), dtype=dtype))
     run.engine_kind = kind
     passes = []
     real = train.Rows.passes

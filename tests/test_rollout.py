@@ -33,11 +33,12 @@ def real_tokenizer(name):
 
 
 class ScriptedEngine:
-    """Replies from a script, tokenised canonically, ending with the end-of-turn token unless
-    `cut`."""
+    """Replies from a script, tokenised canonically, ending with the end-of-turn token (or `end`)
+    unless `cut`."""
 
-    def __init__(self, fmt, replies, cut=()):
+    def __init__(self, fmt, replies, cut=(), end=None):
         self.fmt, self.replies, self.cut, self.turn = fmt, replies, set(cut), 0
+        self.end = fmt.eot_id if end is None else end
 
     def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
                  generator=None, reuse=False):
@@ -46,7 +47,7 @@ class ScriptedEngine:
         self.turn += 1
         out = []
         for p in prompts:
-            ids = in_context(self.fmt, p, reply) + ([self.fmt.eot_id] if stopped else [])
+            ids = in_context(self.fmt, p, reply) + ([self.end] if stopped else [])
             out.append(Sample(ids, [-0.5] * len(ids), stopped))
         return out
 
@@ -76,11 +77,11 @@ REPLIES = ["Thought: check.\nAction: inventory", "Thought: logs.\nAction: get 1 
            "Action: get 1 stick\nAction: inventory"]
 
 
-def play(url, tok, replies, n=2, cut=(), **cfg):
+def play(url, tok, replies, n=2, cut=(), end=None, **cfg):
     fmt = ChatFormat(tok)
     with EnvPool(url, n) as pool:
         rcfg = RolloutConfig(**{"max_turns": 3, **cfg})
-        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut), fmt, rcfg), pool,
+        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut, end), fmt, rcfg), pool,
                         "textcraft", list(range(n)), list(range(n)), rcfg, fmt=fmt)
     return fmt, trajs
 
@@ -119,6 +120,23 @@ def test_reply_cut_at_max_tokens_gets_an_unsampled_end_of_turn(textcraft_url, na
     first_reply = in_context(fmt, t.token_ids[:start], REPLIES[0])
     assert t.token_ids[start:start + len(first_reply) + 1] == first_reply + [fmt.eot_id]
     assert t.loss_mask[start:start + len(first_reply) + 1] == [1] * len(first_reply) + [0]
+
+
+def test_a_reply_ended_by_eos_gets_the_end_of_turn_token_too(textcraft_url):
+    """Phi-3's eos (<|endoftext|>) is not its end-of-turn token (<|end|>), and both stop sampling:
+    a reply ended by eos keeps it (sampled, mask 1), then the unsampled end-of-turn token closes
+    the turn (mask 0) before the next user turn."""
+    tok = real_tokenizer("phi-3-mini")
+    fmt, trajs = play(textcraft_url, tok, REPLIES, end=tok.eos_token_id)
+    assert fmt.eot_id != tok.eos_token_id
+    t = trajs[0]
+    start = t.n_prompt
+    first_reply = in_context(fmt, t.token_ids[:start], REPLIES[0])
+    end = start + len(first_reply) + 2
+    assert t.token_ids[start:end] == first_reply + [tok.eos_token_id, fmt.eot_id]
+    assert t.loss_mask[start:end] == [1] * (len(first_reply) + 1) + [0]
+    # the env and the logs saw the reply without eos
+    assert REPLIES[0] in [m["content"] for m in t.messages if m["role"] == "assistant"]
 
 
 def test_qwen3_history_rewriting_is_detected(textcraft_url):

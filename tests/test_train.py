@@ -41,7 +41,7 @@ def update_run(cfg, model, optims, pad, critic=None, ref=None):
     """What train.update reads of a run (trainer/run.py's Run), for calling it on a model
     directly."""
     return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                           optims=optims, pad=pad,
+                           compute_dtype=torch.float32, optims=optims, pad=pad,
                            device=torch.device("cpu"), engine_kind=cfg.engine,
                            update_gen=torch.Generator().manual_seed(cfg.seed))
 
@@ -106,6 +106,20 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     same = lambda p: open(p).read()  # noqa: E731
     assert (same(tmp_path / "a" / "rollouts" / "step_000003.jsonl")
             == same(tmp_path / "b" / "rollouts" / "step_000003.jsonl"))
+
+
+def test_a_longer_resume_keeps_the_stages_the_run_began_with(tmp_path, cache_dir):
+    """--schedule 2,4 over --steps 2 is stages of one step each; resumed with --steps 4 the run
+    keeps them (not stages of two, from the new --steps); a --schedule-every that differs from the
+    checkpoint's is refused in one line."""
+    common, out = [*TINY, "--schedule", "2,4"], tmp_path / "a"
+    run_train([*common, "--steps", "2", "--out", str(out)], cache_dir)
+    run_train([*common, "--steps", "4", "--out", str(out), "--resume"], cache_dir)
+    assert [x["max_turns"] for x in metrics(out)] == [2, 4, 4, 4]
+    r = run_train([*common, "--steps", "5", "--schedule-every", "3", "--out", str(out),
+                   "--resume"], cache_dir, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "--resume: checkpoint schedule" in r.stderr.strip().splitlines()[-1]
 
 
 def test_bad_flags_are_named(tmp_path, cache_dir):

@@ -62,7 +62,7 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=lr)
     return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                           optims=optims, pad=0,
+                           compute_dtype=torch.float32, optims=optims, pad=0,
                            device=torch.device("cpu"), engine_kind=cfg.engine,
                            update_gen=torch.Generator().manual_seed(cfg.seed))
 

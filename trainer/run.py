@@ -93,8 +93,7 @@ def started(cfg: Config):
                     except KeyboardInterrupt:
                         stop(run, run.intr)
                 run.last.pop("first_error", None)
-                run.summary = (run.last
-                               if rank != 0
+                run.summary = (run.last if rank != 0
                                else {**run.last, **finish(run, time.time() - run.t_start)})
             finally:
                 if run.bar is not None:
@@ -195,8 +194,8 @@ class Run:
     fmt: ChatFormat
     pad: int
     model: torch.nn.Module  # the fp32 master weights: the optimizer's and the checkpoint's
-    # prec.model computes (generation, forward, backward): the master, or its bf16 copy
-    prec: Precision
+    prec: Precision  # prec.model computes (generation, forward, backward): master or bf16 copy
+    compute_dtype: torch.dtype  # prec's, or under torchrun FSDP's mixed precision's (prec: fp32)
     ref: torch.nn.Module | None  # the KL reference (the initial policy), with --kl-coef
     critic: torch.nn.Module | None  # with an estimator that needs one (PPO)
     optims: dict
@@ -344,7 +343,7 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
                                              weight_decay=cfg.weight_decay)
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer,
               fmt=ChatFormat(tokenizer), pad=pad_id(tokenizer), model=model, prec=prec, ref=ref,
-              critic=critic, optims=optims,
+              critic=critic, optims=optims, compute_dtype=dtype,
               engine=engine_for(cfg, prec.model, model_path, pad_id(tokenizer), device, dtype),
               schedule=make_schedule(cfg.schedule,
                                      stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every),
@@ -398,10 +397,13 @@ def resume(run: Run, ckpt: str) -> None:
     cfg, rank, world = run.cfg, global_rank(), world_size()
     try:
         st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
+        saved = st["schedule"]  # without --schedule-every: the stages the run began with, not
+        if cfg.schedule_every is None and saved.get("every"):  # ones from a changed --steps
+            run.schedule = make_schedule(cfg.schedule, saved["every"], cfg.schedule_kind)
+        run.schedule.load_state_dict(saved)
     except ValueError as e:
         sys.exit(f"--resume: {e}")
     run.prec.sync()
-    run.schedule.load_state_dict(st["schedule"])
     run.data_rng.setstate(st["data_rng"])
     run.lr_scale = st.get("lr_scale", 1.0)
     rngs = st["rank_rngs"]
@@ -594,7 +596,3 @@ def finish(run: Run, seconds: float) -> dict:
     print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: python -m tools.plot "
           f"{cfg.out}", flush=True)
     return out
-
-
-if __name__ == "__main__":
-    main(parse_args())

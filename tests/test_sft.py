@@ -234,13 +234,17 @@ def test_copy_pretraining_teaches_copying_from_context(corridor_model_path):
     assert after[1] < math.log(len(vocab)) - 0.25 and after[1] < after[0] - 1.0
 
 
-def test_agent_evol_runs_one_iteration(corridor_model_path, corridor_url):
+def test_agent_evol_runs_one_iteration(corridor_model_path, corridor_url, monkeypatch):
     model, tok = load(corridor_model_path)
     seed_data = warmstart.expert_trajectories("corridor", [0, 1], ChatFormat(tok))
+    calls, real = [], sft.sft
+    monkeypatch.setattr(sft, "sft", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     rates = sft.agent_evol(model, tok, corridor_url, "corridor", [0, 1, 2], iterations=1,
-                           samples_per_task=2,
-                           data=seed_data, max_turns=3, max_new_tokens=8, lr=1e-3, progress=False)
+                           samples_per_task=2, data=seed_data, max_turns=3, max_new_tokens=8,
+                           lr=1e-3, progress=False, batch_size=4, dtype=torch.float32)
     assert len(rates) == 1 and 0.0 <= rates[0] <= 1.0
+    # each round fine-tunes with the flags the first pass had (--batch-size, --dtype)
+    assert calls and all(c["batch_size"] == 4 and c["dtype"] == torch.float32 for c in calls)
 
 
 def test_dpo_loss_decreases_on_one_pair(corridor_model_path):
@@ -301,7 +305,13 @@ def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
     assert summary["trajectories"] == 8 and len(summary["sft_loss"]) == 2
     model, tok = load(str(out))
     assert tok.chat_template and model.config.vocab_size == len(tok)
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "no_logs").mkdir()
     for args, words in [(["--from-log", str(tmp_path / "missing")], "--from-log"),
+                        (["--from-log", str(tmp_path / "no_logs")], "--from-log: no step_"),
+                        (["--from-log", str(tmp_path / "a_file")], "--from-log: no usable"),
+                        (["--success-only"], "--success-only"), (["--tasks", "5-3"], "backwards"),
+                        (["--out", str(tmp_path / "a_file")], "is a file"),
                         (["--noise", "2"], "--noise"),
                         (["--guess", "1"], "--guess"),
                         (["--guess-action", "wait"], "--guess-action"),
@@ -309,3 +319,4 @@ def test_cli_saves_a_model_and_names_bad_flags(tmp_path, corridor_model_path):
                         (["--checked-thoughts", "--plain-thoughts"], "--checked-thoughts")]:
         r = run_cli(["--env", "corridor", "--out", str(out), *args])
         assert r.returncode != 0 and words in r.stderr, (args, r.stderr[-500:])
+        assert "Traceback" not in r.stderr, (args, r.stderr[-500:])

@@ -68,7 +68,7 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
     if cfg.checkpoint:
         run_settings.take(p, cfg)  # the run's env, horizon and sampling, where no flag is given
-    cli.check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch"))
+    cli.check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch", "limit"))
     cli.check_ranges(p, cfg, {"temperature": "[0, inf)", "top_p": "(0, 1]",
                               "vllm_kv_tokens": "[0, inf)", "endpoint_retries": "[0, inf)",
                               "endpoint_timeout_s": "(0, inf)", "endpoint_workers": "[1, inf)"})

@@ -10,20 +10,34 @@ import os
 
 
 def compare_spec_error(spec: str) -> str | None:
-    """What is wrong with a --compare value START[+START2...],END[+END2...], or None: two sides, and
-    every file there and a result of this script."""
+    """What is wrong with a --compare value START[+START2...],END[+END2...], or None: two sides;
+    every file there a result of eval.py (a list of tasks, each with its item_id and scores); all
+    of one env and split, and a task in both sides."""
     paths = spec.split(",")
     if len(paths) != 2:
         return f"give two result files as START.json,END.json, not {spec!r}"
-    for path in (x for side in paths for x in side.split("+")):
+    ids, games = [set(), set()], {}
+    for side, path in ((s, x) for s, part in enumerate(paths) for x in part.split("+")):
         if not os.path.isfile(path):
             return f"no file {path}"
         try:
             with open(path) as f:
-                if "tasks" not in json.load(f):
-                    return f"{path} is not a result of eval.py (it has no per-task scores)"
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
-            return f"{path} is not a result of eval.py (not a JSON object)"
+                r = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{path} is not a result of eval.py (not JSON)"
+        tasks = r.get("tasks") if isinstance(r, dict) else None
+        if not (isinstance(tasks, list) and all(isinstance(t, dict) and "item_id" in t
+                                                and isinstance(t.get("scores"), list)
+                                                for t in tasks)):
+            return f"{path} is not a result of eval.py (it has no per-task scores)"
+        ids[side] |= {t["item_id"] for t in tasks}
+        c = r.get("config") if isinstance(r.get("config"), dict) else {}
+        games[path] = f"{c.get('env', '?')}/{c.get('split', '?')}"
+    if len({g for g in games.values() if "?" not in g}) > 1:
+        return "the results are of different envs or splits: " + ", ".join(
+            f"{p} ({g})" for p, g in games.items())
+    if not ids[0] & ids[1]:
+        return "no task is in both sides: nothing to pair"
     return None
 
 

@@ -62,6 +62,36 @@ def test_a_hung_call_costs_its_own_instance_only(env_cls):
         stop()
 
 
+class SlowToReset(CounterEnv):
+    def reset(self, idx):
+        if idx == 2:
+            time.sleep(20)  # a reset that hangs (SciWorld's JVM starts on the first one)
+        return super().reset(idx)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_create_whose_reset_hangs_costs_that_instance_only(batch):
+    """A create that names a task resets it; if the reset hangs, the instance the create made is
+    marked hung, as a hung /reset's is: closed at once, not held against the instance cap."""
+    url, stop = serve_in_thread(SlowToReset, op_timeout_s=0.5, first_id=0)
+    try:
+        if batch:
+            status, out = raw(url, "POST", "/batch", {"ops": [{"op": "create", "data_idx": 2}]})
+            status, e = out["results"][0]["status"], out["results"][0]
+        else:
+            status, e = raw(url, "POST", "/create", {"data_idx": 2})
+            assert "instance 0:" in e["error"]
+        assert status == 504 and "--op-timeout" in e["error"]
+        t0 = time.monotonic()
+        status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})
+        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < 1
+        assert raw(url, "POST", "/close", {"id": 0}) == (200, True)
+        assert raw(url, "GET", "/")[1]["instances"] == 0
+        assert raw(url, "POST", "/create", {"data_idx": 1})[0] == 200
+    finally:
+        stop()
+
+
 def step_with_headers(url: str, body: dict) -> tuple[int, dict, dict]:
     """POST /step; (status, JSON answer, headers)."""
     conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)

@@ -10,8 +10,9 @@ Parts (each figure is the best of --repeats where repeated; the engines alternat
 noise hits both alike):
 - micro: engine start-up (vLLM compiles the model unless --vllm-eager, sizes its KV cache, warms
   up), prefill tokens/s (--prefill-batch TextCraft opening prompts, one new token each) and decode
-  tokens/s (--new tokens per row at each batch size, temperature 1, never stopping early), in this
-  process;
+  tokens/s (--new tokens per row at each batch size, temperature 1, never stopping early; the
+  prompts' prefill included), in this process, vLLM's prefix cache emptied before each call (the
+  prompts repeat; HF keeps no cache between calls);
 - eval: `eval.py` as a whole process (start-up, model load and env server included) on the first
   --eval-tasks TextCraft test tasks, one sample each, K --eval-turns, 128 new tokens, seed 0;
 - step: `train.py` as a whole process, one RL step of --step-tasks tasks x --step-group samples at K
@@ -55,8 +56,18 @@ def textcraft_prompts(tok, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
+def uncached(engine) -> None:
+    """vLLM's prefix cache emptied, so that a timed call computes its whole prompt as HF does (the
+    prompts repeat across calls; a cache hit would skip their prefill)."""
+    llm = getattr(engine, "llm", None)
+    if llm is not None:
+        llm.reset_prefix_cache()
+
+
 def timed_generate(engine, prompts, new: int, seed: int) -> float:
-    """Tokens per second of one generate call: prompts in, `new` sampled tokens per row out."""
+    """Tokens per second of one generate call from an empty prefix cache: prompts in (their prefill
+    timed too), `new` sampled tokens per row out."""
+    uncached(engine)
     t = time.perf_counter()
     out = engine.generate(prompts, new, [], 1.0, 1.0, torch.Generator().manual_seed(seed))
     assert all(len(s.ids) == new for s in out), "a row stopped early: no stop ids were given"
@@ -83,13 +94,13 @@ def micro(a, path: str) -> dict:
         print(f"  {kind} engine ready in {start[kind]:.1f} s", flush=True)
     prompts = textcraft_prompts(tok, max(max(a.batches), a.prefill_batch))
     rows = {"start-up (s)": start}
-    # Prefill: one new token over fresh prompts (vLLM's prefix cache would otherwise skip the work;
-    # each repeat shifts the prompts by a space-free suffix token so nothing is cached).
+    # Prefill: one new token over the prompts, vLLM's prefix cache emptied before each call
     key = f"prefill, batch {a.prefill_batch} (tokens/s)"
     rows[key] = {}
     for r in range(a.repeats):
         for kind, engine in made.items():
-            batch = [p + [r + 1] for p in prompts[:a.prefill_batch]]
+            batch = prompts[:a.prefill_batch]
+            uncached(engine)
             t = time.perf_counter()
             engine.generate(batch, 1, [], 1.0, 1.0, torch.Generator().manual_seed(r))
             speed = sum(map(len, batch)) / (time.perf_counter() - t)

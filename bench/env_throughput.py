@@ -13,7 +13,6 @@ lock-step rounds, as the rollout does: one round = one action for every instance
 
 import argparse
 import os
-import statistics
 import sys
 import time
 

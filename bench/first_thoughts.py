@@ -22,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from env_server.textcraft import TextCraftEnv, ingredient_kind, listed_outputs  # noqa: E402
 from env_server.textcraft_world import to_id  # noqa: E402
+from tools.paired import read_result  # noqa: E402
 
 _MARKS = re.compile(r"\(([^()]*)\)")
 
@@ -88,10 +89,12 @@ def load(arg: str) -> tuple[list[dict], dict]:
             if not os.path.exists(p):
                 sys.exit(f"first_thoughts.py: {p} not found "
                          "(give eval.py results, their episodes beside them)")
-        result = json.load(open(path, encoding="utf-8"))
-        if result.get("config", {}).get("env", "textcraft") != "textcraft":
+        result = read_result(path)
+        if isinstance(result, str):
+            sys.exit(f"first_thoughts.py: {result}")
+        if (result.get("config") or {}).get("env", "textcraft") != "textcraft":
             sys.exit(f"first_thoughts.py: {path} is not a TextCraft evaluation")
-        category.update({t["item_id"]: t["category"] for t in result["tasks"]})
+        category.update({t["item_id"]: t.get("category", "all") for t in result["tasks"]})
         rows += [json.loads(line) for line in open(episodes, encoding="utf-8")]
     return rows, category
 

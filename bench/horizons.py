@@ -104,6 +104,14 @@ def main() -> None:
                    help="no checkpoint at the end (they are large)")
     p.add_argument("--out", default=os.path.join("runs", "horizons"))
     a = p.parse_args()
+    for h in a.horizons:  # before any write or launch
+        try:
+            horizons(h)
+        except ValueError as e:
+            p.error(f"--horizons {h}: {e}")
+    for name in ("steps", "parallel"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1")
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()

@@ -34,7 +34,6 @@ import json
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -46,6 +45,7 @@ import train  # noqa: E402
 
 from trainer import checkpoints
 from trainer import run as run_layer
+from trainer.update import update_run  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 from models.builtin import resolve  # noqa: E402
 from models.policy import (Precision, load_model, load_tokenizer, pad_id,  # noqa: E402
@@ -133,6 +133,9 @@ def main() -> None:
         # the step trained on the groups whose scores differ, from every round
         keep = run_layer.informative_groups(trajs)
         trajs = [t for t in trajs if t.group in keep]
+    if not trajs:
+        raise SystemExit(f"replay_step.py: step {a.step} of {a.run} has no group whose scores "
+                         "differ: its update had nothing to train on")
     probe = probe_rows(base, fmt, a.probe_tasks)
     print(f"step {a.step} of {a.run}: {len(trajs)} trajectories, "
           f"{sum(sum(t.loss_mask) for t in trajs)} sampled tokens; probe: {len(probe)} expert "
@@ -144,13 +147,11 @@ def main() -> None:
         torch.manual_seed(cfg.seed)
         master = copy.deepcopy(master0).train()
         dtype = run_layer.compute_dtype(cfg, torch.device("cpu"), master)
-        prec = Precision(master, dtype)
         ref = Precision(copy.deepcopy(ref0).eval(), dtype).model if cfg.kl_coef > 0 else None
-        run = SimpleNamespace(cfg=cfg, model=master, prec=prec, ref=ref, critic=None, pad=pad,
-                              device=torch.device("cpu"), lr_scale=1.0, engine_kind=cfg.engine,
-                              update_gen=torch.Generator().manual_seed(cfg.seed),
-                              optims={"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
-                                                                  weight_decay=cfg.weight_decay)})
+        optims = {"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
+                                              weight_decay=cfg.weight_decay)}
+        run = update_run(cfg, master, optims, dtype, ref=ref, pad=pad)
+        prec = run.prec
         if ckpt:
             # the run's optimizer moments, learning-rate scale and shuffle stream at that point
             st = checkpoints.load_checkpoint(ckpt, master, None, run.optims)

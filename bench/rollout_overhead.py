@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,10 +21,11 @@ import torch  # noqa: E402
 import models.builtin as models  # noqa: E402
 import train  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
+from trainer.update import update_run  # noqa: E402
 from env_client import EnvPool  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
 from models.fast_hf import FastHFEngine  # noqa: E402
-from models.policy import Precision, load_model, load_tokenizer, pad_id  # noqa: E402
+from models.policy import load_model, load_tokenizer, pad_id  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
@@ -82,9 +82,7 @@ def main() -> None:
           f"rollout / generation = {wall / engine.seconds:.3f}  (target <= 1.2)")
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
-    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=None, critic=None,
-                          optims=optims, pad=pad_id(tok), device=torch.device("cpu"),
-                          engine_kind=cfg.engine)
+    run = update_run(cfg, model, optims, pad=pad_id(tok))
     rows = train.Rows(run, trajs)  # what the update reads of a run
     m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1

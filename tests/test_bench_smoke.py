@@ -129,7 +129,8 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
         action = env.expert_action()
         thought = env.expert_thought(action, checked=True)
         chains[idx] = thought.count(" using ")
-        tasks.append({"item_id": idx, "category": TextCraftEnv.task_category(world, idx)})
+        tasks.append({"item_id": idx, "category": TextCraftEnv.task_category(world, idx),
+                      "scores": [1.0]})
         for rows, text in ((right, thought),
                            (wrong, re.sub(r": (craft|get)", lambda m: ": " + flip[m[1]], thought))):
             rows.append({"item_id": idx, "messages": [
@@ -159,12 +160,18 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
                               str(tmp_path / "nope.json")],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "nope.json not found" in missing.stderr
+    (tmp_path / "r.json").write_text(json.dumps({"config": {"env": "textcraft"}}))  # no tasks
+    bad = subprocess.run([sys.executable, "bench/first_thoughts.py", str(tmp_path / "r.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().endswith("(it has no per-task scores)")
 
 
-def test_sampler_gap_reads_a_step_log(tmp_path):
+def test_sampler_gap_and_replay_step_read_a_step_log(tmp_path):
     """The HF engine in fp32 samples with the trainer's own module: its recorded log-probs are the
     trainer's to float precision on every sampled token (a row or position off by one would not be);
-    bf16 rounds them apart."""
+    bf16 rounds them apart. replay_step.py puts the step through train.update (the run's setting
+    first, moving the policy not at all against itself), and rollout_overhead.py plays and trains
+    once, both through the update's own calls."""
     import json
 
     import models.tiny as tiny_model
@@ -174,7 +181,8 @@ def test_sampler_gap_reads_a_step_log(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--model", path,
                           "--steps", "1", "--batch-size", "2", "--group-size", "4",
                           "--max-new-tokens", "4", "--engine", "hf", "--threads", "1",
-                          "--eval-every", "0", "--schedule", "3", "--out", str(run)],
+                          "--eval-every", "0", "--schedule", "3", "--no-dynamic-sampling",
+                          "--out", str(run)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     gap = {}
@@ -189,6 +197,18 @@ def test_sampler_gap_reads_a_step_log(tmp_path):
     assert gap["fp32"]["rows"] >= 8 and gap["fp32"]["tokens"] > 8  # every round of the step
     assert gap["fp32"]["max_abs"] < 1e-4 and gap["fp32"]["outside_clip"] == 0
     assert gap["bf16"]["mean_abs"] > 10 * gap["fp32"]["mean_abs"]
+    out = subprocess.run([sys.executable, "bench/replay_step.py", str(run), "--step", "1",
+                          "--try", "lr=0.01", "--probe-tasks", "1", "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["setting"] for r in rows] == ["(the run's own settings)", "--lr 0.01"], out.stdout
+    assert rows[0]["vs_own"] == 0.0
+    out = subprocess.run([sys.executable, "bench/rollout_overhead.py", "--env", "corridor",
+                          "--model", path, "--trajectories", "4", "--turns", "2",
+                          "--max-new-tokens", "4", "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "training:" in out.stdout, out.stderr[-2000:]
 
 
 

@@ -224,8 +224,46 @@ def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(t
     assert {k: v for k, v in saved.items() if k not in ("steps", "save_every", "resume")} == \
         {k: v for k, v in first.items() if k not in ("steps", "save_every", "resume")}
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
-    r = run(["train.py", "--resume", "--out", str(out), "--config", str(out / "config.json")])
-    one_line_error(r, "--resume continues the run in --out with its own config.json")
+    for flags in (["--out", str(out)], []):  # --out given, or --out from the file
+        r = run(["train.py", "--resume", *flags, "--config", str(out / "config.json")])
+        one_line_error(r, "--resume continues the run in --out with its own config.json")
+    # a GRPO checkpoint has no critic for PPO to continue
+    r = run(["train.py", "--resume", "--out", str(out), "--algo", "ppo", "--steps", "3"])
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "saved without a critic" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_single_process_runs_dynamic_sampling_gives_way_under_torchrun(tmp_path, monkeypatch):
+    """A --model run's config.json holds dynamic_sampling true (its default in one process);
+    resumed or replayed under torchrun it is off, as a fresh torchrun run's default; given as a
+    flag there, it is refused."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"env": "corridor", "dynamic_sampling": True, "batch_size": 8}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.parse_args(["--config", str(path)]).dynamic_sampling is False
+    r = run(["train.py", "--config", str(path), "--dynamic-sampling"],
+            env={**os.environ, "WORLD_SIZE": "2"})
+    one_line_error(r, "--dynamic-sampling runs in one process only")
+
+
+def test_a_config_files_values_are_checked_as_flags_are(tmp_path):
+    """argparse checks the values a command line gives, not the defaults a --config file sets: each
+    is checked as its flag would be, in one line; a number for a text flag is read as text."""
+    good = {"env": "corridor", "steps": 2, "lr": 1, "schedule": 4}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(good))
+    cfg = train.parse_args(["--config", str(path)])
+    assert (cfg.lr, cfg.schedule, cfg.steps) == (1.0, "4", 2) and isinstance(cfg.lr, float)
+    for bad in ({"algo": "bogus"}, {"dynamic_sampling": "false"}, {"batch_size": None},
+                {"steps": 2.5}, {"report_to": "bogus"}):
+        path.write_text(json.dumps({**good, **bad}))
+        field = next(iter(bad))
+        one_line_error(run(["train.py", "--config", str(path)]),
+                       f"{field} = {json.dumps(bad[field])} is not a value --"
+                       f"{field.replace('_', '-')} takes")
+    (tmp_path / "a_file").write_text("")
+    one_line_error(run(["train.py", "--env", "corridor", "--out", str(tmp_path / "a_file")]),
+                   "is a file")
 
 
 def test_the_stop_message_names_the_command_that_continues(monkeypatch):

@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from conftest import ROOT, train_update
 import algos
 import models.builtin as models
 from models import policy
-from models.policy import Precision
 import train
 from trainer import run as run_layer
 from trainer import update
@@ -151,10 +149,7 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
-    run = SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                          compute_dtype=torch.float32, optims=optims, pad=0,
-                          device=torch.device("cpu"), engine_kind=cfg.engine,
-                          update_gen=torch.Generator().manual_seed(cfg.seed))
+    run = update.update_run(cfg, model, optims, ref=ref, critic=critic)
     stats = train_update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

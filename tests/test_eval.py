@@ -153,6 +153,38 @@ def test_endpoint_http_500_is_an_error_not_a_zero(tmp_path, corridor_url):
     assert len(seen) == 4 * 2  # each request tried once more, then counted
 
 
+@pytest.mark.parametrize("answer", [b"garbage\r\n\r\n",  # no HTTP status line
+                                    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}"])  # cut
+def test_endpoint_answering_nonsense_is_an_error_not_a_crash(answer):
+    """A server whose answer is not HTTP, or is cut short: http.client's own errors, which are not
+    OSErrors, come out as the endpoint's error after the retries."""
+    import socket
+    import threading
+
+    from tools.endpoint import ChatEndpoint
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    served = []
+
+    def serve():
+        for _ in range(2):  # the request and its one retry
+            conn, _ = sock.accept()
+            conn.recv(65536)
+            conn.sendall(answer)
+            conn.close()
+            served.append(1)
+
+    threading.Thread(target=serve, daemon=True).start()
+    ep = ChatEndpoint(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", 1.0, 1.0, 8, timeout_s=5,
+                      retries=1)
+    with pytest.raises(ev.EnvError) as e:
+        ep.chat([{"role": "user", "content": "hi"}])
+    sock.close()
+    assert e.value.kind == "endpoint" and len(served) == 2
+
+
 def fake_run(folder, **settings):
     """A run folder as eval.py reads it: config.json (train.py's fields) and checkpoint/model/."""
     import train

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 from tools import plot
@@ -194,6 +196,20 @@ def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path)
     assert ([round(y, 1) for y in seen[0][1]] == [-6.2, 87.5, -100.0]
             and seen[1][1] == [0.0, 100.0, -100.0])
     assert seen[0][0][0] < seen[1][0][0] < 1  # side by side within each category
+    # a comparison of depth 2 alone beside one of both depths: each tick counts both
+    s2, e2 = result("s2", [[0.0]] * 8), result("e2", [[1.0]] * 8)
+    for name in ("s2", "e2"):  # tasks 4-7 only
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tasks": json.loads(path.read_text())["tasks"][4:]}))
+    ticks = []
+    real_ticks = matplotlib.axes.Axes.set_xticks
+    matplotlib.axes.Axes.set_xticks = (lambda self, t, labels=None, **k: ticks.append(labels)
+                                       or real_ticks(self, t, labels, **k))
+    try:
+        plot.main(["--compare", f"{s2},{e2}", "--compare", f"{s0},{e0}", "--out", str(out)])
+    finally:
+        matplotlib.axes.Axes.set_xticks = real_ticks
+    assert ticks[-1] == ["overall\n(4/8 tasks)", "depth_1\n(4 tasks)", "depth_2\n(4 tasks)"]
     for args, needle in [(["--compare", f"{s0},{e0}"], "needs --out"),
                          ([str(tmp_path), "--compare", f"{s0},{e0}", "--out", str(out)],
                           "one of the three"),
@@ -205,6 +221,15 @@ def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path)
         res = subprocess.run([sys.executable, "-m", "tools.plot", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and needle in res.stderr, (args, res.stderr)
+
+
+def test_a_live_runs_half_written_last_line_is_left_out(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "succ')
+    assert plot.read_jsonl(str(path)) == [{"step": 1}, {"step": 2}]
+    path.write_text('{"step": 1}\n{"step": 2, "succ\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not JSON"):
+        plot.read_jsonl(str(path))
 
 
 def test_held_out_curves_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):

@@ -7,7 +7,6 @@ import copy
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from test_distributed import fixed_trajectories
 
 from models import policy
 import train
+from trainer.update import update_run
 from engines import HFEngine
 from models.tiny import build_model
 
@@ -30,11 +30,7 @@ def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32, compute_dt
     computes in bf16 while prec stays fp32 (trainer/run.py)."""
     cfg = train.parse_args(["--env", "corridor", *flags])
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
-    return SimpleNamespace(cfg=cfg, model=model, prec=policy.Precision(model, dtype), ref=None,
-                           compute_dtype=compute_dtype or dtype,
-                           critic=None, optims={"policy": opt}, pad=0, device=torch.device("cpu"),
-                           engine_kind=cfg.engine,
-                           update_gen=torch.Generator().manual_seed(cfg.seed))
+    return update_run(cfg, model, {"policy": opt}, dtype, compute_dtype=compute_dtype or dtype)
 
 
 def tied_groups(trajs, groups=(0, 1)):

@@ -13,9 +13,9 @@ from conftest import ROOT, train_update
 
 import models.builtin as models
 from models import policy
-from models.policy import Precision
 import train
 from trainer import run as run_layer
+from trainer.update import update_run
 from models import warmstart
 from trainer.tasks import spread
 
@@ -35,15 +35,6 @@ def run_train(args, cache_dir, check=True):
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
     return out
-
-
-def update_run(cfg, model, optims, pad, critic=None, ref=None):
-    """What train.update reads of a run (trainer/run.py's Run), for calling it on a model
-    directly."""
-    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                           compute_dtype=torch.float32, optims=optims, pad=pad,
-                           device=torch.device("cpu"), engine_kind=cfg.engine,
-                           update_gen=torch.Generator().manual_seed(cfg.seed))
 
 
 def metrics(out_dir):
@@ -246,7 +237,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(cache_dir):
             c = train.parse_args([*TINY, "--loss-agg", mode, "--micro-batch-tokens", str(micro)])
             m = copy.deepcopy(model)
             train_update(update_run(c, m, {"policy": torch.optim.SGD(m.parameters(), lr=1.0)},
-                                    tok.pad_token_id), trajs)
+                                    pad=tok.pad_token_id), trajs)
             results.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert (results[0] - before).abs().max() > 1e-6

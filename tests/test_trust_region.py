@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import ROOT
 
-import rollout
 import train
 from trainer import run as run_layer
 from rollout import Trajectory

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from conftest import ROOT, train_update
 from test_distributed import fixed_trajectories
 
 from models import policy
-from models.policy import Precision
 import train
+from trainer.update import update_run
 from engines import HFEngine
 from models.tiny import build_model
 
@@ -61,10 +60,7 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
     optims = {"policy": torch.optim.SGD(model.parameters(), lr=lr)}
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=lr)
-    return SimpleNamespace(cfg=cfg, model=model, prec=Precision(model), ref=ref, critic=critic,
-                           compute_dtype=torch.float32, optims=optims, pad=0,
-                           device=torch.device("cpu"), engine_kind=cfg.engine,
-                           update_gen=torch.Generator().manual_seed(cfg.seed))
+    return update_run(cfg, model, optims, ref=ref, critic=critic)
 
 
 def logits_on_sampled(model, trajs) -> torch.Tensor:

@@ -53,7 +53,9 @@ def client(tmp_path):
              trajectory(8, 1, 0.5, env="babyai", status="env_error")]
     run = write_run(tmp_path / "run_a", {1: trajs, 2: [trajectory(i, i, 1.0) for i in range(120)]})
     # a step file the requests below never ask for: garbage must not matter to other pages
-    (tmp_path / "run_a" / "rollouts" / "step_000003.jsonl").write_text("{not json\n")
+    # (not JSON; JSON but no object; bytes that are not UTF-8; an object whose rows are no lists)
+    (tmp_path / "run_a" / "rollouts" / "step_000003.jsonl").write_bytes(
+        b'{not json\n[1, 2, 3]\n{"status": "\xff\xfe\n{"token_ids": 5}\n')
     return viewer.create_app([str(run)]).test_client()
 
 
@@ -133,6 +135,10 @@ def test_bad_and_hostile_requests_are_4xx_never_500(client):
         assert client.get(url).status_code == 400, url
     r = client.get("/run/0/step/3/traj/1")  # a line that is not JSON: said so, not a crash
     assert r.status_code == 422 and b"not valid JSON" in r.data
+    for n in (2, 3, 4):
+        assert client.get(f"/run/0/step/3/traj/{n}").status_code == 422, n
+    r = client.get("/run/0/step/3")  # the step page counts them, unreadable
+    assert r.status_code == 200 and "3 unreadable" in r.get_data(as_text=True)
     r = client.get("/run/7", headers={"Accept": "application/json"})
     assert r.status_code == 404 and r.get_json() == {"error": "no run 7 (runs 0..0)"}
 

@@ -8,6 +8,7 @@ env_error, counted as an endpoint error), never a reply and never a score of 0.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -71,8 +72,8 @@ class ChatEndpoint:
                 last = EnvError(ENDPOINT_ERROR, f"{self.url}: {e.read()[:200]!r}", e.code)
                 if e.code < 500 and e.code != 429:  # a 4xx but rate limiting will not get better
                     break
-            except (urllib.error.URLError, OSError) as e:
-                last = EnvError(ENDPOINT_ERROR, f"{self.url}: {e}")
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                last = EnvError(ENDPOINT_ERROR, f"{self.url}: {type(e).__name__}: {e}")
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 why = f"{type(e).__name__}: {e}"
                 last = EnvError(ENDPOINT_ERROR, f"{self.url}: malformed answer ({why})")

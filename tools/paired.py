@@ -9,6 +9,24 @@ import json
 import os
 
 
+def read_result(path: str) -> dict | str:
+    """An eval.py result (a JSON object whose tasks each have an item_id and a list of scores), or
+    what is wrong with the file, in a few words."""
+    if not os.path.isfile(path):
+        return f"no file {path}"
+    try:
+        with open(path) as f:
+            r = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{path} is not a result of eval.py (not JSON)"
+    tasks = r.get("tasks") if isinstance(r, dict) else None
+    if not (isinstance(tasks, list) and all(isinstance(t, dict) and "item_id" in t
+                                            and isinstance(t.get("scores"), list)
+                                            for t in tasks)):
+        return f"{path} is not a result of eval.py (it has no per-task scores)"
+    return r
+
+
 def compare_spec_error(spec: str) -> str | None:
     """What is wrong with a --compare value START[+START2...],END[+END2...], or None: two sides;
     every file there a result of eval.py (a list of tasks, each with its item_id and scores); all
@@ -18,19 +36,10 @@ def compare_spec_error(spec: str) -> str | None:
         return f"give two result files as START.json,END.json, not {spec!r}"
     ids, games = [set(), set()], {}
     for side, path in ((s, x) for s, part in enumerate(paths) for x in part.split("+")):
-        if not os.path.isfile(path):
-            return f"no file {path}"
-        try:
-            with open(path) as f:
-                r = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return f"{path} is not a result of eval.py (not JSON)"
-        tasks = r.get("tasks") if isinstance(r, dict) else None
-        if not (isinstance(tasks, list) and all(isinstance(t, dict) and "item_id" in t
-                                                and isinstance(t.get("scores"), list)
-                                                for t in tasks)):
-            return f"{path} is not a result of eval.py (it has no per-task scores)"
-        ids[side] |= {t["item_id"] for t in tasks}
+        r = read_result(path)
+        if isinstance(r, str):
+            return r
+        ids[side] |= {t["item_id"] for t in r["tasks"]}
         c = r.get("config") if isinstance(r.get("config"), dict) else {}
         games[path] = f"{c.get('env', '?')}/{c.get('split', '?')}"
     if len({g for g in games.values() if "?" not in g}) > 1:

@@ -35,6 +35,21 @@ import os
 import sys
 
 
+def read_jsonl(path: str) -> list:
+    """The rows of a JSONL file; a last line that does not parse yet (a live run is writing it) is
+    left out, any other names its file and line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+    return rows
+
+
 def read_run(run_dir: str) -> dict:
     """{"steps", "success_rate", "reward_mean", "max_turns", "guess_share", "eval_steps",
     "eval_success", "config"} of one run folder."""
@@ -42,8 +57,7 @@ def read_run(run_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl in this folder (is it a train.py run "
                          "folder?)")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_jsonl(path)
     if not rows:
         raise ValueError(f"{run_dir}: metrics.jsonl is empty (the run has not finished a step yet)")
     rows.sort(key=lambda r: r["step"])
@@ -53,9 +67,7 @@ def read_run(run_dir: str) -> dict:
             config = json.load(f)
     evals = []
     if os.path.isfile(os.path.join(run_dir, "eval.jsonl")):
-        with open(os.path.join(run_dir, "eval.jsonl")) as f:
-            evals = sorted((json.loads(line) for line in f if line.strip()),
-                           key=lambda r: r["step"])
+        evals = sorted(read_jsonl(os.path.join(run_dir, "eval.jsonl")), key=lambda r: r["step"])
     return {"steps": [r["step"] for r in rows], "success_rate": [r["success_rate"] for r in rows],
             "reward_mean": [r["reward_mean"] for r in rows],
             "max_turns": [r["max_turns"] for r in rows],
@@ -193,9 +205,11 @@ def plot_changes(specs: list[str], out: str, labels: list[str] | None = None) ->
         ax.errorbar([x for x, _ in rows], ys, yerr=[below, above], fmt="o", capsize=3,
                     color=colors[i % len(colors)], label=label)
     ax.axhline(0, color="0.3", linewidth=1)
-    tasks = [changes[0]["tasks"]] + [changes[0].get("by_category", {}).get(n, {}).get("tasks", 0)
-                                     for n in names[1:]]
-    ax.set_xticks(range(len(names)), [f"{n}\n({t} tasks)" for n, t in zip(names, tasks)])
+    def counts(name):  # the tasks of each point drawn there, once where they all agree
+        rows = [ch if name == "overall" else ch.get("by_category", {}).get(name) for ch in changes]
+        n = sorted({r["tasks"] for r in rows if r is not None})
+        return "/".join(map(str, n)) + " tasks"
+    ax.set_xticks(range(len(names)), [f"{n}\n({counts(n)})" for n in names])
     ax.set_ylabel("change, points\n(95% paired interval)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="best", fontsize=8)

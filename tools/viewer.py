@@ -105,7 +105,7 @@ def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
 
 def read_line(path: str, line_no: int) -> str | None:
     """The text of 1-based line `line_no`, streaming the file up to it; None past the end."""
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a half-written line: not a 500
         for line in itertools.islice(f, line_no - 1, line_no):
             return line
     return None
@@ -119,13 +119,15 @@ def step_summaries(path: str, mtime_ns: int, size: int) -> tuple[list[dict], int
     """(summary of every trajectory with its line number, unreadable lines) of one step file; cached
     per file version (mtime, size), so paging and filtering a large step parse it once."""
     rows, bad = [], 0
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 t = json.loads(line)
             except ValueError:
+                t = None
+            if not isinstance(t, dict):
                 bad += 1
                 continue
             rows.append({"line": n, **{k: t.get(k) for k in SUMMARY_KEYS}})
@@ -371,8 +373,10 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
             t = json.loads(line)
         except ValueError:
             abort(422, f"run {r} step {s} line {n} is not valid JSON")
-        if not isinstance(t, dict):
-            abort(422, f"run {r} step {s} line {n} is not a JSON object")
+        if not isinstance(t, dict) or not all(isinstance(t.get(k) or [], list) for k in
+                                               ("token_ids", "loss_mask", "logprobs", "messages")):
+            abort(422, f"run {r} step {s} line {n} is not a trajectory (a JSON object with lists "
+                       "of token_ids, loss_mask, logprobs and messages)")
         return t
 
     def int_arg(name: str, default=None, low=None):

@@ -83,6 +83,9 @@ def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
     st = load_data(os.path.join(ckpt, "trainer_state.pt"))
     big = load_data(os.path.join(ckpt, "optim.pt"), mmap=True)  # mmap: read, not copied
     owners = {"policy": model, "critic": critic}
+    if set(optims) - set(big["optims"]) or (critic is not None and big.get("critic") is None):
+        raise ValueError(f"{ckpt} was saved without a critic, which this run's --algo trains: "
+                         "resume with the run's own --algo")
     for k, o in optims.items():
         set_optimizer_state_dict(owners[k], o, big["optims"][k], options=full)
     if critic is not None:

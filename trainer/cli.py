@@ -125,6 +125,26 @@ def given_fields(cls, argv, description: str = "", prog: str | None = None) -> s
     return set(vars(quiet.parse_args(argv))) - {"config"}
 
 
+def check_saved(p: argparse.ArgumentParser, saved: dict, flag: str) -> None:
+    """Each field of a config file as its flag would take it (argparse checks what the command line
+    gives, not the defaults a file sets): the flag's type (a number for a text flag is read as
+    text, an int for a float one as a float), one of its choices, None only where the default is
+    None; else a one-line exit naming the field."""
+    for a in p._actions:
+        if a.dest not in saved or not a.option_strings:
+            continue
+        v, kind = saved[a.dest], bool if isinstance(a, argparse.BooleanOptionalAction) else a.type
+        if kind is str and isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = saved[a.dest] = str(v)
+        elif kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = saved[a.dest] = float(v)
+        ok = (a.default is None if v is None
+              else type(v) is kind and (a.choices is None or v in a.choices))
+        if not ok:
+            p.error(f"{flag}: {a.dest} = {json.dumps(v)} is not a value {a.option_strings[0]} "
+                    "takes")
+
+
 def read_config(p: argparse.ArgumentParser, path: str, flag: str) -> dict:
     """A JSON object of config fields from `path`, or a one-line exit naming `flag`."""
     try:
@@ -149,10 +169,10 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
     check_install()  # vision/audio builds that would break transformers: one line, before any write
     p.given = given_fields(cls, argv, description, prog)
     path, flag = args.config, f"--config {args.config}"
+    if getattr(args, "resume", False) and args.config:
+        p.error("--resume continues the run in --out with its own config.json: give changes as "
+                "flags, not --config")
     if getattr(args, "resume", False) and getattr(args, "out", None):
-        if args.config:
-            p.error("--resume continues the run in --out with its own config.json: give changes as "
-                    "flags, not --config")
         path, flag = (os.path.join(args.out, "config.json"),
                       f"--resume: {os.path.join(args.out, 'config.json')}")
         path = path if os.path.exists(path) else None
@@ -173,6 +193,7 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
                               for k, why in sorted(skipped.items()))
             print(f"{p.prog}: {flag}: fields {p.prog} does not use, skipped: {names}",
                   file=sys.stderr)
+        check_saved(p, saved, flag)
         p.set_defaults(**saved)
         args = p.parse_args(argv)
     values = vars(args)

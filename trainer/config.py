@@ -184,9 +184,8 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
               (cfg.max_update_kl is None or cfg.max_update_kl >= 0,
                "--max-update-kl must be 0 (off) or more"),
               (cfg.max_resample >= 0, "--max-resample must be 0 or more"),
-              (not (cfg.dynamic_sampling and world > 1),
-               "--dynamic-sampling runs in one process only (not under "
-               "torchrun)")]
+              (not (cfg.dynamic_sampling and world > 1 and "dynamic_sampling" in p.given),
+               "--dynamic-sampling runs in one process only (not under torchrun)")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -205,6 +204,8 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         print(f"train.py: warning: --steps {cfg.steps} reaches {schedule.stage(cfg.steps) + 1} of "
               f"the {stages} stages of --schedule {cfg.schedule}; the later horizons are never "
               "played", file=sys.stderr)
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        p.error(f"--out {cfg.out} is a file: give the run's folder")
     if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f))
                                           for f in RUN_FILES):
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to "
@@ -218,7 +219,7 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
     if cfg.mini_batch_size == "quarter":
         cfg.mini_batch_size = max(world, cfg.batch_size * cfg.group_size // 4 // world * world)
     if cfg.dynamic_sampling and world > 1 and "dynamic_sampling" not in p.given:
-        cfg.dynamic_sampling = False  # the settings file's default, where it cannot run
+        cfg.dynamic_sampling = False  # a default (or a resumed run's), where it cannot run
     if cfg.resample == "extend" and not cfg.dynamic_sampling:
         p.error("--resample extend is a kind of dynamic sampling, which is off: add "
                 "--dynamic-sampling")

@@ -134,3 +134,18 @@ def update_kl(run, batch: dict, mask: torch.Tensor, before: list) -> float | Non
         tokens += float(sel.sum())
     kl_sum, tokens = all_sum([kl_sum, tokens])
     return kl_sum / tokens if tokens else None  # None: the first mini-batch held only idle rows
+
+
+def update_run(cfg, model, optims: dict, dtype: torch.dtype = torch.float32, **fields):
+    """What train.advantages and train.update read of a run (trainer/run.py's `Run`), for calling
+    them on a model directly (the tests, bench/replay_step.py, bench/rollout_overhead.py): the
+    model computing in `dtype` (models.policy.Precision) on the CPU; `fields` (ref, critic, pad,
+    compute_dtype, ...) add to these or replace them."""
+    from types import SimpleNamespace
+
+    from models.policy import Precision
+    return SimpleNamespace(**{
+        "cfg": cfg, "model": model, "prec": Precision(model, dtype), "compute_dtype": dtype,
+        "optims": optims, "ref": None, "critic": None, "pad": 0, "device": torch.device("cpu"),
+        "engine_kind": cfg.engine, "lr_scale": 1.0,
+        "update_gen": torch.Generator().manual_seed(cfg.seed), **fields})

@@ -13,7 +13,6 @@ from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, star
 
 from trainer import checkpoints
 import models.builtin as models
-import train
 
 COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
 DROP = ("time_rollout_s", "time_update_s", "tokens_per_s", "time_sync_s")

@@ -122,7 +122,9 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
                          (["--dual-clip", "0.5"], "--dual-clip must be greater than 1"),
                          (["--eval-every", "-1"], "--eval-every must be 0 or more"),
                          (["--save-every", "-2"], "--save-every must be -1"),
-                         (["--eval-turns", "0"], "--eval-turns must be at least 1")]:
+                         (["--eval-turns", "0"], "--eval-turns must be at least 1"),
+                         (["--schedule-kind", "plateau", "--schedule-every", "5"],
+                          "--schedule-every is the step schedule's stage length")]:
         out = run_train(args, cache_dir, check=False)
         assert out.returncode != 0 and needle in out.stderr, (args, out.stderr[-500:])
 

@@ -184,6 +184,9 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
               (cfg.max_update_kl is None or cfg.max_update_kl >= 0,
                "--max-update-kl must be 0 (off) or more"),
               (cfg.max_resample >= 0, "--max-resample must be 0 or more"),
+              (cfg.schedule_every is None or cfg.schedule_kind != "plateau",
+               "--schedule-every is the step schedule's stage length; --schedule-kind plateau "
+               "moves on when success stops improving, not after a number of steps"),
               (not (cfg.dynamic_sampling and world > 1 and "dynamic_sampling" in p.given),
                "--dynamic-sampling runs in one process only (not under torchrun)")]
     for ok, message in checks:

@@ -27,7 +27,7 @@ from env_client import EnvError
 from env_server import get_env_class
 from env_server.agents import served_here
 from env_server.process import serving
-from models.loading import load_local  # the policy: a checkpoint, an HF model or a built-in name
+from models.loading import dtype_name, load_local  # the policy: a checkpoint, HF or built-in model
 from rollout import EnginePolicy, RolloutConfig, Trajectory, outcomes, play_in_chunks, rollout
 from rollout import write_log
 from tools import endpoint, eval_config, eval_outputs, paired  # the flags; features at named lines
@@ -55,14 +55,14 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     category = categories_for(cfg.env, tasks, listed["categories"])
     # Episode e plays task tasks[e // n] as its sample e % n; its group is the task's position.
     episodes = [(g, item, j) for g, item in enumerate(tasks) for j in range(cfg.n)]
-    rcfg, generator = RolloutConfig.of(cfg, cfg.max_turns), None
+    rcfg, generator, policy_dtype = RolloutConfig.of(cfg, cfg.max_turns), None, None
     if cfg.endpoint:  # a chat endpoint's text replies; else a local model samples on its engine
         policy, fmt, name, kind = endpoint.policy(cfg), None, endpoint.name(cfg), "endpoint"
     else:
         torch.set_num_threads(cli.cpu_threads(cfg.threads))
         engine, fmt, name, where, kind = load_local(cfg, len(episodes))
         generator = torch.Generator(where).manual_seed(cfg.seed)  # where the engine samples
-        policy = EnginePolicy(engine, fmt, rcfg, generator)
+        policy, policy_dtype = EnginePolicy(engine, fmt, rcfg, generator), dtype_name(engine.dtype)
     print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
           f"temperature {cfg.temperature:g}, policy {name}")
     play = player(policy, cfg.env, rcfg, fmt, cfg.agent)
@@ -76,7 +76,8 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
         result = {"config": dataclasses.asdict(cfg), "policy": name, "n": cfg.n,
                   "n_scored": table.pop("n"), **table, "statuses": outcomes(trajs)["statuses"],
                   **eval_outputs.details(tasks, category, episodes, trajs),  # excluded, per task
-                  "time_s": time.time() - t0, "engine": kind}
+                  "time_s": time.time() - t0, "engine": kind,
+                  "dtype": policy_dtype}  # what --dtype resolved to here; None: an endpoint's
         write_log(log, 0, cfg.max_turns, trajs)
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)

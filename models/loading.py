@@ -11,12 +11,14 @@ import rollout
 from engines import make_engine, resolve_engine, sampling_device
 from models import builtin, policy
 from models.fast_hf import FastHFEngine
+from models.policy import dtype_name  # noqa: F401 (eval.py records the engine's dtype with it)
 from trainer.cli import resolve_device
 
 
 def load_local(cfg, episodes: int | None = None):
     """(engine, chat format, name, sampling device, engine kind) for eval.py's flags. vLLM's KV
-    cache is sized for the episodes played at once: --batch, or all `episodes` where fewer."""
+    cache is sized for the episodes played at once: --batch, or all `episodes` where fewer. The
+    engine's `dtype` is what --dtype resolved to on this machine."""
     try:
         path = os.path.join(cfg.checkpoint, "checkpoint", "model") if cfg.checkpoint else \
             builtin.resolve(cfg.model, cfg.env, cfg.cache_dir)
@@ -25,7 +27,7 @@ def load_local(cfg, episodes: int | None = None):
     tokenizer, device = policy.load_tokenizer(path), resolve_device(cfg.device)
     pad, kind = policy.pad_id(tokenizer), resolve_engine(cfg.engine, path, device)
     if kind == "vllm":  # vLLM serves real models only: the dtype rule needs no model to count
-        dtype = str(policy.resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
+        dtype = policy.dtype_name(policy.resolve_dtype(cfg.dtype, device))
         try:
             at_once = min(cfg.batch, episodes or cfg.batch)
             engine = make_engine("vllm", None, path, pad, batch=at_once, seed=cfg.seed,
@@ -36,6 +38,7 @@ def load_local(cfg, episodes: int | None = None):
         print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)
     else:
         model = policy.load_model(path, device).eval()
-        model = model.to(policy.resolve_dtype(cfg.dtype, device, model))
-        engine = make_engine("hf", model, path, pad, hf_class=FastHFEngine)
+        dtype = policy.resolve_dtype(cfg.dtype, device, model)
+        engine = make_engine("hf", model.to(dtype), path, pad, hf_class=FastHFEngine)
+        engine.dtype = dtype
     return engine, rollout.ChatFormat(tokenizer), path, sampling_device(kind, device), kind

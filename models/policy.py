@@ -88,6 +88,11 @@ def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> to
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": as vLLM takes it, and as runs and evaluations record it."""
+    return str(dtype).removeprefix("torch.")
+
+
 class Precision:
     """fp32 master weights and the copy that computes.
 

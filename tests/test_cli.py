@@ -67,7 +67,7 @@ def test_a_run_prints_its_folder_first_and_a_table_last(tmp_path, cache_dir):
     assert lines[-1].startswith(f"  every number: {out}/summary.json")
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert (summary["steps"] == 1 and summary["eval_step_end"] == 1
-            and "eval_by_category_end" in summary)
+            and "eval_by_category_end" in summary and summary["dtype"] == "float32")
     assert not any(line.startswith("{") for line in lines)  # no JSON dump on the terminal
 
 

@@ -90,6 +90,19 @@ def test_wandb_online_without_a_login_is_one_line(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_wandb_too_old_for_one_run_per_reporter_is_named(monkeypatch):
+    """wandb before 0.19.10 has no reinit="create_new": refused at parse time, in one line."""
+    real = report.importlib.util.find_spec
+    monkeypatch.setattr(report.importlib.util, "find_spec",
+                        lambda name: object() if name == "wandb" else real(name))  # "installed"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for version, why in [("0.19.9", "--report-to wandb needs wandb 0.19.10 or newer "
+                                    "(reinit=\"create_new\"), not 0.19.9: pip install -U wandb"),
+                         ("0.19.10", None), ("0.26.1", None)]:
+        monkeypatch.setattr(report.importlib.metadata, "version", lambda name: version)
+        assert report.missing("wandb") == why
+
+
 def test_a_missing_package_is_named_at_parse_time(tmp_path, monkeypatch):
     """A tracker whose package is not installed: one line naming it, from train.py and sft.py, and
     no folder."""

@@ -113,6 +113,19 @@ def test_a_longer_resume_keeps_the_stages_the_run_began_with(tmp_path, cache_dir
     assert "--resume: checkpoint schedule" in r.stderr.strip().splitlines()[-1]
 
 
+def test_a_resume_in_another_dtype_says_so(tmp_path, cache_dir):
+    """The checkpoint records the dtype the run computed in; a resume that resolves another one
+    (--dtype auto on other hardware, or a flag) says so in one line, and summary.json records it."""
+    out = str(tmp_path / "a")
+    run_train([*TINY, "--steps", "1", "--dtype", "fp32", "--out", out], cache_dir)
+    assert json.load(open(os.path.join(out, "summary.json")))["dtype"] == "float32"
+    r = run_train([*TINY, "--steps", "2", "--dtype", "bf16", "--out", out, "--resume"], cache_dir)
+    assert "resuming a float32 run in bfloat16 (--dtype bf16 here)" in r.stdout, r.stdout[-2000:]
+    assert json.load(open(os.path.join(out, "summary.json")))["dtype"] == "bfloat16"
+    r = run_train([*TINY, "--steps", "3", "--out", out, "--resume"], cache_dir)  # bf16 again
+    assert "run in" not in r.stdout
+
+
 def test_bad_flags_are_named(tmp_path, cache_dir):
     for args, needle in [(["--steps", "0"], "--steps must be at least 1"),
                          (["--schedule", "10,0"], "--schedule"),

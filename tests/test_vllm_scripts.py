@@ -18,6 +18,8 @@ from test_vllm_real import CACHE, needs_vllm, smollm2_path  # noqa: F401 (a fixt
 
 from conftest import ROOT
 
+from models.policy import cpu_has_bf16
+
 SMALL = ["--env", "textcraft", "--model", "smollm2-135m-sft", "--vllm-eager", "--cache-dir", CACHE,
          "--max-new-tokens", "24", "--threads", "2"]
 TRAIN = [*SMALL, "--batch-size", "2", "--group-size", "2", "--schedule", "2",
@@ -112,6 +114,7 @@ def test_the_real_model_in_one_command_on_vllm_a_signal_and_resume(
     assert code == 0 and "building" not in log, log[-3000:]
     result = json.load(open(e))
     assert result["engine"] == "vllm" and result["policy"] == folder and result["n"] == 2
+    assert result["dtype"] == ("bfloat16" if cpu_has_bf16() else "float32")  # --dtype auto's rule
     code, log = finish(start("sft.py", ["--env", "textcraft", "--model", "smollm2-135m-sft",
                                         "--cache-dir", CACHE, "--tasks", "0", "--epochs", "1",
                                         "--threads", "2", "--out", str(tmp_path / "s")],

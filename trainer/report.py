@@ -15,14 +15,18 @@ TensorBoard.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 
+from packaging.version import Version  # wandb's version against WANDB_MIN (packaging: PEP 440)
+
 REPORTERS = ("none", "tensorboard", "wandb")
 # --report-to value -> the package it needs
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+WANDB_MIN = "0.19.10"  # wandb.init(reinit="create_new"): one run per reporter, not one a process
 
 
 def missing(kind: str) -> str | None:
@@ -36,6 +40,9 @@ def missing(kind: str) -> str | None:
     if not found:
         return (f"--report-to {kind} needs the {package} package, which is not installed: pip "
                 f"install {package}")
+    if kind == "wandb" and Version(importlib.metadata.version("wandb")) < Version(WANDB_MIN):
+        return (f"--report-to wandb needs wandb {WANDB_MIN} or newer (reinit=\"create_new\"), not "
+                f"{importlib.metadata.version('wandb')}: pip install -U wandb")
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
     if (kind == "wandb" and not offline and not os.environ.get("WANDB_API_KEY")
             and not _netrc_login()):

@@ -31,8 +31,8 @@ from env_server.process import serving
 from eval import held_out
 from models.builtin import resolve
 from models.fast_hf import FastHFEngine
-from models.policy import (Critic, Precision, load_model, load_tokenizer, pad_id, prepare,
-                           resolve_dtype)
+from models.policy import (Critic, Precision, dtype_name, load_model, load_tokenizer, pad_id,
+                           prepare, resolve_dtype)
 from rollout import ChatFormat, RolloutConfig, Trajectory, outcomes, write_log
 from scheduler import horizons, lr_at, make_schedule, stage_steps
 from trainer.checkpoints import (Interrupts, find_checkpoint, load_checkpoint, resume_command,
@@ -304,12 +304,11 @@ class Run:
         if self.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         m["step"] = step
+        row = {k: v for k, v in m.items() if k not in ("bad", "first_error")}
         if global_rank() == 0:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({k: v for k, v in m.items() if k not in ("bad", "first_error")})
-                        + "\n")
-            self.reporter.log("train",
-                              {k: v for k, v in m.items() if k not in ("bad", "first_error")}, step)
+                f.write(json.dumps(row) + "\n")
+            self.reporter.log("train", row, step)
         # inside the critical section: a signal held back by it is raised as it ends, and the
         # checkpoint it saves must be this step's
         self.safe = (step, snapshot(self))
@@ -372,7 +371,7 @@ def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: tor
                 cfg.eval_batch if cfg.eval_every else 0)
     try:
         engine = make_engine(kind, model, model_path, pad, batch=batch,
-                             max_model_len=cfg.max_context, dtype=str(dtype).removeprefix("torch."),
+                             max_model_len=cfg.max_context, dtype=dtype_name(dtype),
                              seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
                              enforce_eager=cfg.vllm_eager, kv_cache_tokens=cfg.vllm_kv_tokens,
                              hf_class=FastHFEngine)
@@ -418,8 +417,10 @@ def resume(run: Run, ckpt: str) -> None:
                   "from new seeds", flush=True)
         for gen in (run.sample_gen, run.update_gen, torch):
             gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
-    run.start = st["step"] + 1
+    run.start, dtype = st["step"] + 1, dtype_name(run.compute_dtype)
     if rank == 0:
+        if st.get("dtype", dtype) != dtype:  # --dtype auto follows the hardware, not the run
+            print(f"resuming a {st['dtype']} run in {dtype} (--dtype {cfg.dtype} here)", flush=True)
         truncate_logs(cfg.out, st["step"])
     if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # the evaluations before the stop
         with open(os.path.join(cfg.out, "eval.jsonl")) as f:
@@ -520,7 +521,8 @@ def snapshot(run: Run) -> dict:
 def save(run: Run, step: int, snap: dict) -> None:
     state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
              "lr_scale": snap["lr_scale"], "rank_rngs": all_gather_list([snap["rng"]]),
-             "device_type": run.sample_gen.device.type, "config": dataclasses.asdict(run.cfg)}
+             "device_type": run.sample_gen.device.type, "dtype": dtype_name(run.compute_dtype),
+             "config": dataclasses.asdict(run.cfg)}
     save_checkpoint(run.cfg.out, run.model, run.tokenizer, run.critic, run.optims, state)
     run.saved = step
 
@@ -559,13 +561,13 @@ def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Inte
 def finish(run: Run, seconds: float) -> dict:
     """The end of a run: a short table on the terminal, and every number in OUT/summary.json."""
     cfg = run.cfg
-    # an evaluation the env server failed has no result
-    evals = [e for e in run.evals if e["tasks"]]
+    evals = [e for e in run.evals if e["tasks"]]  # one the env server failed has no result
     with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f if x.strip()]
     k = max(1, min(5, len(rows) // 2))
     mean = lambda rs, key: sum(r[key] for r in rs) / max(1, len(rs))  # noqa: E731
     out = {"steps": len(rows), "minutes": seconds / 60, "out": cfg.out,
+           "dtype": dtype_name(run.compute_dtype),  # what --dtype resolved to here
            "train_success_first": mean(rows[:k], "success_rate"),
            "train_success_last": mean(rows[-k:], "success_rate")}
     table = [(f"training success (mean of {k} step{'s' * (k != 1)})", out["train_success_first"],

@@ -101,12 +101,15 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
 
 def test_a_longer_resume_keeps_the_stages_the_run_began_with(tmp_path, cache_dir):
     """--schedule 2,4 over --steps 2 is stages of one step each; resumed with --steps 4 the run
-    keeps them (not stages of two, from the new --steps); a --schedule-every that differs from the
-    checkpoint's is refused in one line."""
-    common, out = [*TINY, "--schedule", "2,4"], tmp_path / "a"
+    keeps them (not stages of two, from the new --steps), while --lr-decay follows the new --steps;
+    a --schedule-every that differs from the checkpoint's is refused in one line."""
+    common = [*TINY, "--schedule", "2,4", "--lr", "1e-3", "--lr-decay", "linear"]
+    out = tmp_path / "a"
     run_train([*common, "--steps", "2", "--out", str(out)], cache_dir)
     run_train([*common, "--steps", "4", "--out", str(out), "--resume"], cache_dir)
     assert [x["max_turns"] for x in metrics(out)] == [2, 4, 4, 4]
+    # 1 - (step - 1) / steps: steps 1-2 of 2, then 3-4 of 4
+    assert [x["lr"] for x in metrics(out)] == pytest.approx([1e-3, 5e-4, 5e-4, 2.5e-4])
     r = run_train([*common, "--steps", "5", "--schedule-every", "3", "--out", str(out),
                    "--resume"], cache_dir, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]

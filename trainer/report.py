@@ -40,15 +40,24 @@ def missing(kind: str) -> str | None:
     if not found:
         return (f"--report-to {kind} needs the {package} package, which is not installed: pip "
                 f"install {package}")
-    if kind == "wandb" and Version(importlib.metadata.version("wandb")) < Version(WANDB_MIN):
+    version = _version(package) if kind == "wandb" else None
+    if version is not None and Version(version) < Version(WANDB_MIN):
         return (f"--report-to wandb needs wandb {WANDB_MIN} or newer (reinit=\"create_new\"), not "
-                f"{importlib.metadata.version('wandb')}: pip install -U wandb")
+                f"{version}: pip install -U wandb")
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
     if (kind == "wandb" and not offline and not os.environ.get("WANDB_API_KEY")
             and not _netrc_login()):
         return ("--report-to wandb: no W&B login (WANDB_API_KEY or `wandb login`); "
                 "WANDB_MODE=offline logs into the run folder without one")
     return None
+
+
+def _version(package: str) -> str | None:
+    """The installed distribution's version; None for a package importable without one."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _netrc_login() -> bool:

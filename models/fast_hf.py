@@ -39,6 +39,11 @@ class FastHFEngine(HFEngine):
         # prompt tokens taken from the kept cache / encoded (bench/turn_cache.py prints them)
         self.reused_tokens = self.encoded_tokens = 0
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it samples in: its model's (VLLMEngine's is the --dtype it was started with)."""
+        return next(self.model.parameters()).dtype
+
     def forget(self) -> None:
         """Drop the cache kept for the next turn."""
         self._kept = None

@@ -38,7 +38,6 @@ def load_local(cfg, episodes: int | None = None):
         print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)
     else:
         model = policy.load_model(path, device).eval()
-        dtype = policy.resolve_dtype(cfg.dtype, device, model)
-        engine = make_engine("hf", model.to(dtype), path, pad, hf_class=FastHFEngine)
-        engine.dtype = dtype
+        model = model.to(policy.resolve_dtype(cfg.dtype, device, model))
+        engine = make_engine("hf", model, path, pad, hf_class=FastHFEngine)
     return engine, rollout.ChatFormat(tokenizer), path, sampling_device(kind, device), kind

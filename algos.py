@@ -1,6 +1,6 @@
-"""Pure tensor functions of the RL update: advantage estimators, policy and value losses, KL
-estimators, entropy, log-probs and loss aggregation. torch only; nothing here knows about models,
-environments or the trainer, so every formula can be tested against numbers worked out by hand.
+"""The RL update's formulas: advantage estimators, policy and value losses, KL estimators, entropy,
+log-probs, loss aggregation, and the trainer's log-prob of a sampled token (`token_logprobs`, the
+one function that runs a model). torch only: every formula can be tested against hand numbers.
 
 Shapes (one legend for the whole file):
     B  trajectories in the batch; one row each (a whole multi-turn conversation is one row)
@@ -40,6 +40,10 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
    that ended it, so a row's turn rewards sum to its outcome. (c) Both levels divide by the group's
    std plus GRPO's eps (norm_std=False: mean only); the episode level keeps departure 4, the step
    level gives an anchor group of one 0. (d) gamma is the caller's (trainer: 1; the paper: 0.95).
+10. GiGPO's episode mean and std are over a group's trajectories (Eq. 3); verl-agent's gigpo core
+   (compute_mean_std_cross_steps=True, its default) takes them over step rows, a trajectory once
+   per turn: one group, outcome only, mean normalisation, a 1-turn trajectory scoring 1 and a
+   3-turn one scoring 0 get +0.5 / -0.5 here, +0.75 / -0.25 there; episode_stat="step" is theirs.
 """
 
 from __future__ import annotations
@@ -112,9 +116,10 @@ def _group_index(group_ids: torch.Tensor):
 
 
 def _group_mean(scores: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Mean of each row's group, broadcast back to the rows (B,)."""
-    sums = torch.zeros(int(index.max()) + 1, device=scores.device).index_add(0, index, scores)
-    return sums[index] / n
+    """Mean of each row's group (B,), summed in float64: in float32 8 x 0.7 is 5.6000004, a tied
+    group's mean an ulp off its scores, and that ulp over GRPO's eps an advantage of 0.06."""
+    sums = torch.zeros(int(index.max()) + 1, dtype=torch.float64, device=scores.device)
+    return (sums.index_add(0, index, scores.double())[index] / n).float()
 
 
 def grpo_advantages(scores, group_ids, eps: float = 1e-6, norm_std: bool = True) -> torch.Tensor:
@@ -277,7 +282,8 @@ def _turn_reward_matrix(scores: torch.Tensor, n_turns: list[int], turn_rewards, 
 
 def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[list[str]],
                      turn_rewards: list[list[float]] | None = None, gamma: float = 0.95,
-                     step_adv_weight: float = 1.0, eps: float = 1e-6, norm_std: bool = True):
+                     step_adv_weight: float = 1.0, eps: float = 1e-6, norm_std: bool = True,
+                     episode_stat: str = "trajectory"):
     """GiGPO (Feng et al. 2025): GRPO's episode advantage plus a step one over anchor states,
         A^E_b     = (s_b - mean_g(s)) / (std_g(s) + eps)                  `grpo_advantages`
         G_(b,k)   = sum_{j >= k} gamma^(j-k) r_(b,j)                      return from turn k
@@ -287,8 +293,9 @@ def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[li
     outcome on the last turn). No repeated state, or w = 0, gives GRPO. scores, group_ids (B,);
     loss_mask, turn_ids (B, T) (the turn of each sampled token, else -1: rollout.build_batch,
     shifted as the mask); state_keys[b][k], turn_rewards[b][k] per turn k of row b -> advantages
-    (B, T) float32."""
+    (B, T) float32. episode_stat="step": A^E's mean_g, std_g over turns, not rows (departure 10)."""
     s = _finite(scores)  # first, as every estimator: a NaN score is the error to report
+    assert episode_stat in ("trajectory", "step"), f"episode_stat {episode_stat!r}: trajectory|step"
     if turn_ids is None or state_keys is None:
         raise ValueError("gigpo needs turn_ids (rollout.build_batch) and state_keys "
                          "(rollout.turn_state_keys) in AdvantageInputs")
@@ -301,7 +308,15 @@ def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[li
         raise ValueError(f"turns per row: {n_turns} in turn_ids, {[len(k) for k in state_keys]} "
                          "in state_keys")
     s = s.to(tid.device)
-    episode = grpo_advantages(s, group_ids, eps, norm_std).to(tid.device)  # (B,)
+    if episode_stat == "trajectory":
+        episode = grpo_advantages(s, group_ids, eps, norm_std).to(tid.device)  # (B,)
+    else:  # departure 10: over the group's turns, row b counted once per turn (n_b copies)
+        turns = torch.tensor(n_turns)  # a row without turns has no copy and no sampled token
+        copies = torch.repeat_interleave(torch.arange(len(s)), turns)
+        g = torch.as_tensor(group_ids).cpu()[copies]
+        per_copy = grpo_advantages(s.cpu()[copies], g, eps, norm_std) if len(copies) else s.cpu()
+        first = (turns.cumsum(0) - turns).clamp(max=max(len(copies) - 1, 0))  # a row's 1st copy
+        episode = torch.where(turns > 0, per_copy[first], 0.0).to(tid.device)
     anchors = anchor_index(group_ids, state_keys).to(tid.device)  # (B, K)
     r = _turn_reward_matrix(s.cpu(), n_turns, turn_rewards, anchors.shape[1]).to(tid.device)
     step = step_advantages(_reverse_discounted_cumsum(r, gamma), anchors, eps, norm_std)  # (B, K)
@@ -514,7 +529,7 @@ def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
-# ------------------------------------------------------------------------------ from logits (B,T,V)
+# ------------------------------------------ log-probs and entropy: from logits (B,T,V), of a model
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax(z)[id] = z_id - logsumexp(z): logits (B, T, V), ids (B, T) -> (B, T) float32,
     without a (B, T, V) log-softmax. In float32 (one copy of the logits: chunk rows to bound it):
@@ -530,3 +545,56 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     z = logits.float()
     p = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+
+
+def token_logprobs(model, rows: dict, temperature: float, mask=None, with_entropy: bool = False):
+    """log pi(y_t | y_<t) at temperature T of tokens 1..T-1 of `rows` (input_ids, attention_mask,
+    position_ids (b, T)) -> (b, T-1), and entropies: the PPO ratio's numerator. With `mask` (b,
+    T-1), where head_split_ok, the LM head (b x T x V, a small model's largest tensor) runs on the
+    masked positions alone (0 elsewhere)."""
+    ids = {k: rows[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    targets = rows["input_ids"][:, 1:]
+    sel = None if mask is None or not head_split_ok(model) else mask > 0
+    if sel is None:
+        logits = model(**ids).logits[:, :-1].float()  # (b, T-1, V)
+    else:
+        head = getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
+        logits = head(sel=sel, **ids).float()  # (n, V); under FSDP the model's own bound method
+        targets = targets[sel]
+    if temperature > 0:
+        logits = logits / temperature
+    lp = logprobs_from_logits(logits, targets)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    if sel is not None:  # scatter back to (b, T-1)
+        lp = lp.new_zeros(sel.shape).masked_scatter(sel, lp)
+        ent = None if ent is None else ent.new_zeros(sel.shape).masked_scatter(sel, ent)
+    return lp, ent
+
+
+def masked_logits(model, sel=None, **ids) -> torch.Tensor:
+    """The LM head on the hidden states of positions 0..T-2 where `sel` (b, T-1) holds: (n, V), or
+    (b, T-1, V) without `sel`. FSDP runs it as a forward method (models.policy.shard_model)."""
+    h = model.base_model(**ids).last_hidden_state[:, :-1]
+    return model.get_output_embeddings()(h if sel is None else h[sel])
+
+
+_HEAD_SPLIT: dict = {}
+
+
+def head_split_ok(model) -> bool:
+    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), once per model
+    class and dtype: true of Llama, Qwen, Mistral, Phi; not where logits are scaled or capped."""
+    dtype = next(model.parameters()).dtype
+    key = (type(model), dtype)
+    if key not in _HEAD_SPLIT:
+        try:
+            with torch.no_grad():
+                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
+                full = model(input_ids=x).logits[:, :-1]
+                split = (getattr(model, "masked_logits", None)
+                         or (lambda **kw: masked_logits(model, **kw)))(input_ids=x)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
+        except Exception:  # no base_model / output embeddings in the usual places
+            _HEAD_SPLIT[key] = False
+    return _HEAD_SPLIT[key]

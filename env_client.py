@@ -53,6 +53,10 @@ class Step:
 
 # ---------------------------------------------------------------- HTTP on urllib3
 MAX_IDLE_S = 1.0  # a kept connection unused for longer is not reused (see Transport)
+# The most an answer may hold (a /batch answer: this per op). Observations run from a few hundred
+# bytes (TextCraft) to a few hundred KB (a WebArena page); far more is a server gone wrong, which
+# would cost seconds and gigabytes to tokenize and log.
+MAX_ANSWER_BYTES = 4 * 2**20
 _lock = threading.Lock()
 _calls: dict[int, list] = {}  # thread id -> [deadline, the socket it waits on, its connection]
 
@@ -103,12 +107,14 @@ class Transport:
     bounds each attempt as a whole (urllib3's, each read): a watchdog shuts down the socket of a
     call past its deadline, however slowly its answer trickles in."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2):
+    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
         self.base_url, self.prefix = f"{u.scheme}://{u.netloc}", u.path.rstrip("/")
         self.timeout, self.retries = timeout, retries  # timeout: each attempt's, as a whole
+        self.max_answer_bytes = max_answer_bytes
         self.pool = self._new_pool()
         _start_watchdog(os.getpid())
 
@@ -122,15 +128,22 @@ class Transport:
         old, self.pool = self.pool, self._new_pool()
         old.close()
 
-    def _send(self, method: str, path: str, body, headers: dict):
-        """One attempt, within `timeout` in all: the answer's (status, body) or an EnvError."""
+    def _send(self, method: str, path: str, body, headers: dict, max_bytes: int):
+        """One attempt, within `timeout` in all: the answer's (status, body) or an EnvError. A
+        redirect is not followed (it is an HTTP error); at most `max_bytes` are read."""
         deadline, me = time.monotonic() + self.timeout, threading.get_ident()
         with _lock:
             _calls[me] = [deadline, None, None]
         try:
             r = self.pool.urlopen(method, self.prefix + path, body=body, headers=headers,
-                                  timeout=urllib3.Timeout(total=self.timeout))
-            return r.status, r.data
+                                  timeout=urllib3.Timeout(total=self.timeout), redirect=False,
+                                  preload_content=False)
+            data = r.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                r.close()  # not drained: the rest is never read
+                raise EnvError("protocol", f"{method} {path}: answer over {max_bytes} bytes")
+            r.release_conn()
+            return r.status, data
         except (urllib3.exceptions.HTTPError, OSError) as e:
             timed_out = isinstance(e, urllib3.exceptions.TimeoutError) and not isinstance(
                 e, urllib3.exceptions.NewConnectionError)  # (a refusal, despite its class)
@@ -143,15 +156,17 @@ class Transport:
             with _lock:
                 del _calls[me]
 
-    def request(self, method: str, path: str, payload=None, retry: bool = False):
+    def request(self, method: str, path: str, payload=None, retry: bool = False,
+                answers: int = 1):
         """The decoded JSON answer, or EnvError; `retry` (never for a step) allows `retries` more
-        attempts after a timeout or a lost connection."""
+        attempts after a timeout or a lost connection; `answers`: the ops a /batch answer holds."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             try:
-                return _decode(method, path, *self._send(method, path, body, headers))
+                sent = self._send(method, path, body, headers, self.max_answer_bytes * answers)
+                return _decode(method, path, *sent)
             except EnvError as e:
                 if e.kind not in ("timeout", "connection") or attempt + 1 == attempts:
                     raise
@@ -161,9 +176,10 @@ class Transport:
 def _decode(method: str, path: str, status: int, data: bytes):
     try:
         out = json.loads(data) if data else None
-    except ValueError:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json's stack
+        what = "nested too deep" if isinstance(e, RecursionError) else "not JSON"
         raise EnvError("protocol" if status == 200 else "http",
-                       f"{method} {path}: answer is not JSON: {data[:200]!r}", status) from None
+                       f"{method} {path}: answer is {what}: {data[:200]!r}", status) from None
     if status != 200:
         msg = out.get("error") if isinstance(out, dict) else None
         raise EnvError("http", f"{method} {path}: {msg if msg else repr(data[:200])}", status)
@@ -204,16 +220,22 @@ def _step_from(raw) -> Step:
         terminated, truncated = _flag(raw, "terminated"), _flag(raw, "truncated")
         done = terminated or truncated
         value = values.get("reward", 0.0) if terminated else 0.0
-    return Step(str(raw["observation"]), value, done, raw)
+    return Step(_text(raw["observation"]), value, done, raw)
 
 
 def _obs_from(raw) -> str:
-    if isinstance(raw, str):
-        return raw
     if isinstance(raw, dict) and "observation" in raw:
         task = raw.get("task_description")  # SciWorld's /reset: the task, shown once, then the view
-        return str(raw["observation"]) if task is None else f"{task}\n{raw['observation']}"
-    return json.dumps(raw)
+        raw = str(raw["observation"]) if task is None else f"{task}\n{raw['observation']}"
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")  # _text
+
+
+def _text(x) -> str:
+    """An observation as text a tokenizer takes: JSON may carry lone surrogates ("\\ud800"), which
+    no UTF-8 text holds and tokenizers refuse; each becomes "?"."""
+    x = str(x)
+    return x if x.isascii() else x.encode("utf-8", "replace").decode("utf-8")
 
 
 # ---------------------------------------------------------------- one instance
@@ -302,8 +324,9 @@ class EnvPool:
     that instance's `EnvError` in the result list; it never raises or stops the others."""
 
     def __init__(self, base_url: str, size: int, timeout: float = 120.0, retries: int = 2,
-                 workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64):
-        self.http = Transport(base_url, timeout, retries)
+                 workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
+        self.http = Transport(base_url, timeout, retries, max_answer_bytes)
         self.size = size
         self.executor = ThreadPoolExecutor(max(1, min(workers, size)), "env-pool")
         self.batch_chunk = batch_chunk
@@ -341,7 +364,8 @@ class EnvPool:
 
         def send(chunk):
             try:
-                res = self.http.request("POST", "/batch", {"ops": chunk}, retry=retry)["results"]
+                res = self.http.request("POST", "/batch", {"ops": chunk}, retry=retry,
+                                        answers=len(chunk))["results"]
                 if len(res) != len(chunk):
                     raise EnvError("protocol", f"/batch answered {len(res)} results for "
                                                f"{len(chunk)} ops")

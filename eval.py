@@ -6,8 +6,10 @@
     python eval.py --compare start.json,end.json+end2.json    # two results, task by task
 
 Each task is played n times through rollout.rollout, the loop training uses. With s_ij the env's
-score of sample j of task i: Avg@n = mean_i(mean_j s_ij), Pass@n = mean_i[max_j s_ij > 0], as in
-AgentGym-RL, overall and per category. An infrastructure error is left out and counted, never 0.
+score of sample j of task i: Avg@n = mean_i(mean_j s_ij), as in AgentGym-RL, and Pass@n = the
+share of tasks with a success among their n samples, success being training's one rule
+(rollout.is_success: the env ended the episode with a score above 0), overall and per category.
+An infrastructure error is left out and counted, never 0.
 Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut, the
 same command continues from OUT.partial.jsonl. `held_out` is train.py's evaluation during a run.
 """
@@ -28,8 +30,8 @@ from env_server import get_env_class
 from env_server.agents import served_here
 from env_server.process import serving
 from models.loading import dtype_name, load_local  # the policy: a checkpoint, HF or built-in model
-from rollout import EnginePolicy, RolloutConfig, Trajectory, outcomes, play_in_chunks, rollout
-from rollout import write_log
+from rollout import (EnginePolicy, RolloutConfig, Trajectory, is_success, outcomes,
+                     play_in_chunks, rollout, write_log)
 from tools import endpoint, eval_config, eval_outputs, paired  # the flags; features at named lines
 from trainer import cli  # the task lists (cli.task_lists) and the thread count
 from trainer.distributed import all_gather_list, global_rank, world_size  # torchrun, in held_out
@@ -66,13 +68,14 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
           f"temperature {cfg.temperature:g}, policy {name}")
     play = player(policy, cfg.env, rcfg, fmt, cfg.agent)
-    log = os.path.splitext(cfg.out)[0] + ".rollouts.jsonl"  # runs/a.json -> runs/a.rollouts.jsonl
+    log = os.path.abspath(os.path.splitext(cfg.out)[0] + ".rollouts.jsonl")  # write_log: a folder
     with eval_outputs.resumable(cfg, len(episodes), generator) as (played, chunk_done):
         trajs = played if len(played) == len(episodes) else play_in_chunks(
             url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval",
             played=played, chunk_done=chunk_done)
-        table = score_table([(item, category[item], j, t.reward) for (_, item, j), t
-                             in zip(episodes, trajs) if t.status != "env_error"])  # not scored 0
+        table = score_table([(item, category[item], j, t.reward, is_success(t))
+                             for (_, item, j), t in zip(episodes, trajs)
+                             if t.status != "env_error"])  # not scored 0
         result = {"config": dataclasses.asdict(cfg), "policy": name, "n": cfg.n,
                   "n_scored": table.pop("n"), **table, "statuses": outcomes(trajs)["statuses"],
                   **eval_outputs.details(tasks, category, episodes, trajs),  # excluded, per task
@@ -96,19 +99,19 @@ def player(policy, env: str, rcfg: RolloutConfig, fmt, agent: str):  # for play_
 
 
 def score_table(rows) -> dict:
-    """Avg@n, Pass@n from (item_id, category, sample_index, score) rows of scored samples, n the
-    most a task has (one with fewer, after errors, averages what it has) -> {"n", "overall",
-    "by_category": {category: ...}}, each {"tasks", "samples", "avg@n", "pass@n"}."""
+    """Avg@n, Pass@n from (item_id, category, sample_index, score, success) rows of scored
+    samples, n the most a task has (one with fewer, after errors, averages what it has) -> {"n",
+    "overall", "by_category": {category: ...}}, each {"tasks", "samples", "avg@n", "pass@n"}."""
     per_task: dict = {}
-    for item_id, category, _sample, score in rows:
-        per_task.setdefault((category, item_id), []).append(float(score))
+    for item_id, category, _sample, score, success in rows:
+        per_task.setdefault((category, item_id), []).append((float(score), bool(success)))
     n = max(map(len, per_task.values()), default=0)
 
-    def summary(scores: list[list[float]]) -> dict:
-        t = max(1, len(scores))
-        return {"tasks": len(scores), "samples": sum(map(len, scores)),
-                f"avg@{n}": sum(sum(s) / len(s) for s in scores) / t,
-                f"pass@{n}": sum(max(s) > 0 for s in scores) / t}
+    def summary(samples: list[list[tuple]]) -> dict:
+        t = max(1, len(samples))
+        return {"tasks": len(samples), "samples": sum(map(len, samples)),
+                f"avg@{n}": sum(sum(s for s, _ in x) / len(x) for x in samples) / t,
+                f"pass@{n}": sum(any(won for _, won in x) for x in samples) / t}
 
     return {"n": n, "overall": summary(list(per_task.values())),
             "by_category": {c: summary([s for (k, _), s in per_task.items() if k == c])

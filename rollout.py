@@ -127,6 +127,15 @@ def is_success(t: Trajectory) -> bool:
     return t.status == "done" and t.reward > 0
 
 
+def informative_groups(trajs: list[Trajectory]) -> set[int]:
+    """Groups not all of one score (env errors left out): the only ones with GRPO/RLOO signal."""
+    scores: dict = {}
+    for t in trajs:
+        if t.status != "env_error":
+            scores.setdefault(t.group, set()).add(t.reward)
+    return {g for g, s in scores.items() if len(s) > 1}
+
+
 def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[str]:
     """GiGPO's anchor state of each sampled turn (algos.anchor_index): the user message before it,
     or `reported`, a key per turn from the env (none reports one yet). The sampled turns are the
@@ -268,6 +277,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
     agents = [make_agent(agent, env, cfg.max_turns) for _ in item_ids]
     trajs = start_trajectories(pool, env, item_ids, groups, agents)
     for t in trajs:
+        if not t.finished:
+            _cut_observation(t, cfg)
         if fmt is not None and not t.finished:
             t.token_ids = fmt.prompt_ids(t.messages)
             t.n_prompt = len(t.token_ids)
@@ -284,6 +295,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
         moves = {i: agents[i].act(r.text) for i, r in replies.items() if _take_reply(trajs[i], r)}
         play_moves(pool, trajs, agents, moves, cfg.max_turns)
         for i in moves:
+            if trajs[i].status != "env_error":
+                _cut_observation(trajs[i], cfg)
             if fmt is not None and not trajs[i].finished:
                 _append_observation(fmt, trajs[i], replies[i].stopped, cfg)
         if progress is not None:
@@ -309,6 +322,22 @@ def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
     t.turns += 1
     t.messages.append({"role": "assistant", "content": r.text})
     return True
+
+
+# No tokenizer's tokens run longer, in practice: text past this many characters a token of room
+# cannot fit, and is cut before it is tokenized whole, logged or sent to an endpoint
+CHARS_PER_TOKEN = 32
+
+
+def _cut_observation(t: Trajectory, cfg: RolloutConfig) -> None:
+    """Cut the user message just added to what could still fit in --max-context: a server that
+    answers 10 MB would otherwise cost seconds and gigabytes to tokenize, and as much in the log.
+    The row then reaches the context limit, as it would have whole."""
+    room = cfg.max_context - len(t.token_ids) if t.token_ids else cfg.max_context
+    budget = max(room, 0) * CHARS_PER_TOKEN
+    text = t.messages[-1]["content"]
+    if len(text) > budget:
+        t.messages[-1]["content"] = f"{text[:budget]} [... {len(text) - budget} characters cut]"
 
 
 def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,

@@ -5,16 +5,18 @@
     python train.py --env corridor --steps 40 --out runs/c --resume   # continue a run
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct
 
-One step: the schedule gives the horizon K; `batch_size` tasks x `group_size` copies are played for
-up to K turns (rollout.py); each trajectory is one row of token ids whose loss mask marks the tokens
+One step, in `main`'s order: the schedule gives the horizon K; `batch_size` tasks x `group_size`
+copies are played for up to K turns (rollout.py); which trajectories are trained on (env errors
+never; none on a step with too many; --dynamic-sampling replaces groups whose outcomes tie); the
+learning rate (`set_lr`); each trajectory is one row of token ids whose loss mask marks the tokens
 the policy sampled; the estimator --algo turns outcomes into per-token advantages (algos.py);
-`ppo_epochs` passes of the clipped loss over mini-batches move the policy; the engine gets the new
-weights; one line of metrics. What is not the algorithm lives in layers (trainer/, models/), each
-called at one named point below: the flags and their checks, torchrun, the run around the loop
-(setup, checkpoints, resume, signals, evaluations, dynamic sampling, the summary). `run` holds what
-setup made: cfg, engine, fmt (chat template), pool (env instances), schedule, model (the fp32
-master weights), prec.model (the copy that computes: the master, or its bf16 copy), ref, critic,
-optims.
+`ppo_epochs` passes of the clipped loss over mini-batches move the policy (`update`: the ratio's
+denominator is chosen there); the --max-update-kl guard (`guard`); the engine gets the new weights;
+one line of metrics. Layers (trainer/, models/) change speed, robustness and logging, never what
+is computed: the flags and their checks, torchrun's collectives, the run around the loop (setup,
+checkpoints, resume, signals, evaluations, the summary), batching by length. `run` holds what setup
+made: cfg, engine, fmt (chat template), pool (env instances), schedule, model (the fp32 master
+weights), prec.model (the copy that computes: the master, or its bf16 copy), ref, critic, optims.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import time
 
 import torch
+from tqdm import tqdm
 
 import algos
-from models.policy import token_logprobs  # the trainer's log-probs of the sampled tokens
-from rollout import EnginePolicy, RolloutConfig, rollout, turn_state_keys
+from algos import token_logprobs  # the trainer's log-probs of the sampled tokens
+from rollout import (EnginePolicy, RolloutConfig, Trajectory, informative_groups, rollout,
+                     turn_state_keys)
+from scheduler import lr_at
 from trainer import config  # the flags, their checks and the real-model settings
 from trainer import run as layer  # the run around the loop: setup, resume, checkpoints, evaluations
-from trainer.distributed import all_max, all_sum, global_whiten, world_size  # torchrun
+from trainer import distributed as ranks  # torchrun's collectives (one process: the identity)
 from trainer.update import Rows, UpdateStats, idle_rows, micro_weight  # the update's machinery
 
 
@@ -56,22 +61,98 @@ def main(cfg: config.Config) -> dict:
                                    agent=cfg.agent, progress=progress)
 
             trajs = play(item_ids, groups)
-            trajs, m = layer.after_rollout(run, step, K, trajs, play, time.time() - t0)
-            kept = [t for t in trajs if t.status != "env_error"]  # env failures are not rewards
-            with run.critical(step, m):  # a signal here waits: never save half an update
+            # ---- which trajectories are trained on
+            played = ranks.all_gather_list(trajs)  # every rank's: the step's metrics and its log
+            m = layer.rollout_metrics(played, K)
+            n_played, errors = len(played), m["status_env_error"]
+            # Too many env errors: what is left is a biased sample (say, only the short episodes)
+            m["bad"] = errors > cfg.max_env_error_share * n_played
+            if not m["bad"]:  # a plateau schedule moves on when success stops improving
+                run.schedule.observe(step, m["success_rate"])
+            if cfg.dynamic_sampling:  # tied groups carry no signal: more rounds replace them
+                trajs, extra = resample(run, trajs, play)
+                played += extra
+                m["resampled_groups"] = len({t.group for t in extra})
+                m["trained_groups"] = len({t.group for t in trajs})
+            kept = [t for t in trajs if t.status != "env_error"]  # an env error is not a reward
+            layer.log_rollout(run, step, K, played, m, time.time() - t0)
+            trainable = n_played > errors and not m["bad"] and (kept or ranks.world_size() > 1)
+            with run.critical():  # a signal here waits: never save half an update
                 t1 = time.time()
-                if layer.trainable(run, m, kept):
-                    m["lr"] = run.set_lr(step)
-                    # ---- the batch: build_batch's rows on the device, micro-batched by length
+                if trainable:  # under torchrun every rank takes part, with or without rows
+                    run.show(f"update of {len(kept)} trajectories")
+                    torch.set_num_threads(run.update_threads)  # the update makes no env call
+                    m["lr"] = set_lr(run, step)
+                    # ---- the batch: one padded row per trajectory, micro-batched by length
                     rows = Rows(run, kept)
                     # ---- advantages: algos.ESTIMATORS[--algo], per sampled token
                     adv, returns, values = advantages(run, rows)
                     # ---- the update: ppo_epochs x mini-batches of the clipped loss
                     m.update(update(run, rows, adv, returns, values))
+                guard(run, step, m)  # --max-update-kl: too far a move halves later rates
                 m["time_update_s"] = time.time() - t1
-                m["time_sync_s"] = float(run.engine.sync_weights(run.prec.model) or 0.0)
-                run.log(step, m)
+                # ---- the sampler gets the new weights (HF samples with this very module)
+                seconds = run.engine.sync_weights(run.prec.model)  # what copying them took
+                m["time_sync_s"] = seconds
+                run.log(step, m)  # metrics.jsonl, reporters; a stop now saves this step
     return run.summary
+
+
+def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list[Trajectory]]:
+    """Dynamic sampling: groups whose scores all tie carry no signal, so up to --max-resample extra
+    rounds of play(items, groups) are played until the update sees --batch-size informative groups
+    (fewer when the rounds run out). --resample fresh (DAPO) drops a tied group and plays a fresh
+    task in its place, under a new group id; --resample extend plays the tied group's own task
+    --group-size more times under the same id, so that a task solved 1 time in 8 still shows its
+    win. Returns (the trajectories to train on, the extra ones)."""
+    cfg = run.cfg
+    keep = informative_groups(trajs)
+    kept = [t for t in trajs if t.group in keep]
+    tied = {t.group: t.item_id for t in trajs if t.group not in keep}  # group -> its task
+    extra, next_group = [], max(t.group for t in trajs) + 1
+    for _ in range(cfg.max_resample):
+        missing = cfg.batch_size - len({t.group for t in kept})
+        if missing <= 0 or not tied:
+            break
+        if cfg.resample == "extend":  # the tied groups' own tasks again, under their own ids
+            groups = [g for g in sorted(tied) for _ in range(cfg.group_size)]
+            item_ids = [tied[g] for g in groups]
+        else:  # a fresh task for each missing group, drawn in each round
+            fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
+            item_ids = [i for i in fresh for _ in range(cfg.group_size)]
+            groups = [next_group + g for g in range(len(fresh)) for _ in range(cfg.group_size)]
+            next_group += len(fresh)
+        extra += play(item_ids, groups)
+        played = [t for t in trajs + extra if t.group in groups]  # a grown group: both its rounds
+        keep = informative_groups(played)
+        kept += [t for t in played if t.group in keep]
+        if cfg.resample == "extend":
+            tied = {t.group: t.item_id for t in played if t.group not in keep}
+    return kept, extra
+
+
+def set_lr(run, step: int) -> float:
+    """This step's learning rates into the optimizers: the base rate (--lr, --critic-lr) x the
+    schedule's share (scheduler.lr_at: --warmup-steps, --lr-decay) x the guard's scale; returns the
+    policy's."""
+    cfg = run.cfg
+    share = lr_at(step, cfg.steps, cfg.lr_decay, cfg.warmup_steps or 0) * run.lr_scale
+    for name, o in run.optims.items():
+        for g in o.param_groups:
+            g["lr"] = share * (cfg.lr if name == "policy" else cfg.critic_lr)
+    return share * cfg.lr
+
+
+def guard(run, step: int, m: dict) -> None:
+    """--max-update-kl: a step whose update moved the policy further than the bound (update_kl)
+    halves the learning rate of every step after it (run.lr_scale, kept in checkpoints)."""
+    bound = run.cfg.max_update_kl
+    if bound and m.get("update_kl") is not None and m["update_kl"] > bound:
+        run.lr_scale *= 0.5
+        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl {bound:g}: "
+                   f"learning rate halved to {run.lr_scale:g} x the schedule's from step "
+                   f"{step + 1}")
+    m["lr_scale"] = run.lr_scale
 
 
 # ================================================================ one update
@@ -83,9 +164,9 @@ def advantages(run, rows: Rows) -> tuple:
     est = algos.estimator(cfg.algo)
     values = None
     if est.critic:  # V of the prefix that produced token t+1
-        values = rows.passes(lambda idx: run.critic(**rows_of(batch, idx))[:, :-1])
+        values = rows.passes(lambda mb, mb_mask: run.critic(**mb)[:, :-1])
     x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, cfg.gamma,
-                              cfg.lam, whiten=global_whiten,
+                              cfg.lam, whiten=ranks.global_whiten,
                               turn_ids=batch["turn_ids"][:, 1:],  # shifted as the mask
                               state_keys=[turn_state_keys(t) for t in trajs],  # GiGPO's anchors
                               turn_rewards=[t.turn_rewards for t in trajs],
@@ -99,14 +180,14 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     torchrun the update equals one process's on every rank's trajectories: each micro-batch's loss
     is weighted by its share of the global loss (`micro_weight`), and a rank with fewer
     micro-batches than the busiest runs blank ones (FSDP's passes are collectives)."""
-    cfg, world, batch, B = run.cfg, world_size(), rows.batch, rows.B
+    cfg, world, batch, B = run.cfg, ranks.world_size(), rows.batch, rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are (B, T-1)
     mask, sampler_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
-    idle = idle_rows(run, adv, mask, B)  # rows whose every advantage is 0: never forwarded
+    idle = idle_rows(run, adv, mask, B)  # rows that add nothing to the loss: never forwarded
     ref_lp = None
     if run.ref is not None:  # the KL reference: the initial policy
-        ref_lp = rows.passes(lambda idx: token_logprobs(run.ref, rows_of(batch, idx),
-                                                        cfg.temperature, mask=mask[idx])[0])
+        ref_lp = rows.passes(lambda mb, mb_mask: token_logprobs(run.ref, mb, cfg.temperature,
+                                                                mask=mb_mask)[0])
     # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
     # numbers, in fp32 (HF or vLLM: 3.4e-6 apart a token, bench/sampler_gap.py); else the
     # trainer's, recomputed: in bf16 a cached decode and a whole-row forward round differently
@@ -114,24 +195,24 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     old_lp = sampler_lp
     if (cfg.tis_cap is not None or run.compute_dtype != torch.float32
             or (run.engine_kind != "hf" and cfg.top_p < 1)):
-        old_lp = rows.passes(lambda idx: token_logprobs(run.prec.model, rows_of(batch, idx),
-                                                        cfg.temperature, mask=mask[idx])[0],
+        old_lp = rows.passes(lambda mb, mb_mask: token_logprobs(run.prec.model, mb,
+                                                                cfg.temperature, mask=mb_mask)[0],
                              skip=idle)
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
                "values": values, "returns": returns}
     stats = UpdateStats()
     mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # rows per rank
-    n_minis = all_max(-(-B // mbs))
+    n_minis = ranks.all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=run.update_gen).tolist()
         for s in range(n_minis):
             mini = perm[s * mbs:(s + 1) * mbs]  # may be empty on a rank with fewer trajectories
-            (denominator,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
+            (denominator,) = ranks.all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
             for o in run.optims.values():
                 o.zero_grad(set_to_none=True)
             stats.first = epoch == 0 and s == 0  # no optimizer step yet
-            for idx in rows.micro_batches([i for i in mini if i not in idle]):
+            for idx in rows.micro_batches(mini, skip=idle):
                 micro_step(run, rows, mask, targets, idx, denominator, stats)
             if world == 1 and not any(p.grad is not None for p in run.model.parameters()):
                 for p in run.model.parameters():  # all rows idle: the zero gradient they give
@@ -143,13 +224,15 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
             for o in run.optims.values():
                 o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
-    return stats.metrics(run, batch, mask, cfg.ppo_epochs * n_minis, len(idle))
+    m = stats.metrics(run, batch, mask, cfg.ppo_epochs * n_minis, len(idle))
+    m["update_kl"] = update_kl(run, batch, mask, idle, stats.before)  # --max-update-kl's measure
+    return m
 
 
 def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: float, stats) -> None:
     """Forward and backward of one micro-batch (rows `idx`): the clipped policy loss, the entropy
     bonus, the KL to the reference, the critic's value loss; their statistics into `stats`."""
-    cfg, world, batch = run.cfg, world_size(), rows.batch
+    cfg, world, batch = run.cfg, ranks.world_size(), rows.batch
     T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
     mb = {k: v[:, :T] for k, v in rows_of(batch, idx).items()}
     mb_mask = mask[idx, :T - 1]
@@ -172,6 +255,29 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
     (w * loss).backward()
     run.prec.collect_grads()  # bf16 gradients into the fp32 master's, micro-batch by micro-batch
     stats.add(rows, idx, T, w / world, loss, entropy, kl, vloss, pst, lp.detach(), mb_mask, cut)
+
+
+def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
+              before: list) -> float | None:
+    """How far this step's update moved the policy: KL(before || after) per sampled token, the k3
+    estimate on the tokens of the first mini-batch's rows but the idle ones (they add nothing to the
+    loss; left out whether or not they were forwarded, so the figure does not depend on it), from
+    their log-probs before the update (kept by its first passes; they were sampled from the policy
+    before it) and after it (one more forward, without gradients). Measured by the trainer on both
+    sides: the sampler's rounding is not in it (logprob_diff is)."""
+    kl_sum, tokens = 0.0, 0.0
+    moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
+    for idx, lp_before in before:  # as many passes on every rank: FSDP's forward is a collective
+        T = lp_before.shape[1] + 1
+        m = mask[idx, :T - 1]
+        rows = {k: batch[k][idx][:, :T] for k in ("input_ids", "attention_mask", "position_ids")}
+        with torch.no_grad():
+            lp_after, _ = token_logprobs(run.prec.model, rows, run.cfg.temperature, mask=m)
+        sel = (m > 0) & moves[idx][:, None]
+        kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
+        tokens += float(sel.sum())
+    kl_sum, tokens = ranks.all_sum([kl_sum, tokens])
+    return kl_sum / tokens if tokens else None  # None: the first mini-batch held only idle rows
 
 
 def rows_of(batch: dict, idx: list[int]) -> dict:

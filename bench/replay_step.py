@@ -50,7 +50,7 @@ from trainer.cli import cpu_threads  # noqa: E402
 from models.builtin import resolve  # noqa: E402
 from models.policy import (Precision, load_model, load_tokenizer, pad_id,  # noqa: E402
                            token_logprobs)
-from rollout import ChatFormat, build_batch  # noqa: E402
+from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
 from recipes.sft import load_log  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     trajs = load_log(log)
     if base.dynamic_sampling:
         # the step trained on the groups whose scores differ, from every round
-        keep = run_layer.informative_groups(trajs)
+        keep = informative_groups(trajs)
         trajs = [t for t in trajs if t.group in keep]
     if not trajs:
         raise SystemExit(f"replay_step.py: step {a.step} of {a.run} has no group whose scores "
@@ -162,7 +162,7 @@ def main() -> None:
             elif not results:
                 print("the checkpoint predates the update's own shuffle stream: this replay "
                       "shuffles otherwise than the run did (an approximation)")
-        lr = run_layer.set_lr(run, a.step)
+        lr = train.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()
         rows = train.Rows(run, trajs)
@@ -170,8 +170,8 @@ def main() -> None:
         seconds = time.time() - t0
         after = probe_nll(prec.model, probe, pad, cfg.temperature)
         mask = rows.batch["loss_mask"][:, 1:]
-        lp = rows.passes(lambda idx: token_logprobs(prec.model, train.rows_of(rows.batch, idx),
-                                                    cfg.temperature, mask=mask[idx])[0])
+        lp = rows.passes(lambda mb, mb_mask: token_logprobs(prec.model, mb, cfg.temperature,
+                                                            mask=mb_mask)[0])
         own_lp = lp if own_lp is None else own_lp
         sel = mask > 0
         vs_own = float(algos.kl_penalty(own_lp, lp, "k3", None)[sel].mean()) if sel.any() else 0.0

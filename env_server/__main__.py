@@ -14,6 +14,22 @@ from . import get_env_class, served_envs
 from .app import create_app, make_server
 
 
+def bounded(kind: type, lo: float, hi: float):
+    """An argparse type: a `kind` in [lo, hi]. A value outside is refused in argparse's one line
+    naming the flag (exit 2), where it would fail later in a traceback or silently (the OS picks a
+    port for 99999; 2**64 threads never start)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: "
+                                             f"{text!r}") from None
+        if not lo <= v <= hi:  # (a NaN fails too)
+            raise argparse.ArgumentTypeError(f"{text} is outside [{lo}, {hi}]")
+        return v
+    return parse
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m env_server", description=__doc__,
@@ -25,23 +41,23 @@ def main(argv=None) -> None:
                    help="address to bind; 127.0.0.1 serves this machine only (and refuses "
                         "cross-site and DNS-rebinding requests); on any other address whoever "
                         "reaches the port may use it")
-    p.add_argument("--port", type=int, default=36001,
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=36001,
                    help="port (0 picks a free one and prints it)")
-    p.add_argument("--threads", type=int, default=4,
+    p.add_argument("--threads", type=bounded(int, 1, 1024), default=4,
                    help="worker threads serving requests (more for games that wait on I/O or a "
                         "JVM)")
-    p.add_argument("--max-instances", type=int, default=1024,
+    p.add_argument("--max-instances", type=bounded(int, 1, 2 ** 31), default=1024,
                    help="cap on live instances (503 past it)")
-    p.add_argument("--idle-timeout", type=float, default=900.0,
+    p.add_argument("--idle-timeout", type=bounded(float, 0, 10 ** 7), default=900.0,
                    help="close instances idle for this many seconds (0: never)")
-    p.add_argument("--max-body-kb", type=int, default=1024,
+    p.add_argument("--max-body-kb", type=bounded(int, 1, 2 ** 30), default=1024,
                    help="largest request body accepted (413 past it)")
-    p.add_argument("--op-timeout", type=float, default=60.0,
+    p.add_argument("--op-timeout", type=bounded(float, 1e-3, 10 ** 7), default=60.0,
                    help="seconds a call into a game may take (not counting its wait for an "
                         "instance another call is using: a 503 busy past this long); past it the "
                         "caller gets a 504 and the instance is marked hung (its thread is "
                         "abandoned), the rest of the server keeps serving")
-    p.add_argument("--parent-pid", type=int, default=None,
+    p.add_argument("--parent-pid", type=bounded(int, 1, 2 ** 31 - 1), default=None,
                    help="exit when this process is gone (set by launchers such as train.py)")
     # before parsing, so --help lists its flags
     name = argv[0] if argv and argv[0] in names else None
@@ -49,11 +65,6 @@ def main(argv=None) -> None:
     if env_cls is not None:
         env_cls.add_args(p.add_argument_group(f"{name} options"))
     args = p.parse_args(argv)
-    for flag in ("threads", "max_instances", "max_body_kb"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not args.op_timeout > 0:
-        p.error("--op-timeout must be a positive number of seconds")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -77,14 +88,15 @@ def main(argv=None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    if args.parent_pid is not None:  # an orphan would hold its port and JVMs forever
-        def watch_parent():
-            while os.getppid() == args.parent_pid:
-                time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
 
-        threading.Thread(target=watch_parent, daemon=True).start()
-    try:
+    def watch_parent():
+        while os.getppid() == args.parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:  # (the watcher inside: a parent already gone stops the server at once, quietly)
+        if args.parent_pid is not None:  # an orphan would hold its port and JVMs forever
+            threading.Thread(target=watch_parent, daemon=True).start()
         server.run()
     except KeyboardInterrupt:
         pass

@@ -51,7 +51,6 @@ class ParsedAction:
 ONE_ACTION_ERROR = "Error: Only one 'Action' is allowed per response. Please adjust your response."
 _ACTION_RE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
 _NOT_ACTION_CHARS = re.compile(r"[^A-Za-z0-9, ]+")
-_SEARCH_TAG_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _BACKTICK_BLOCK_RE = re.compile(r"```(.*?)```", re.DOTALL)
 # The observation AgentGym's WebArena client gives for a reply without an action block (kept
 # verbatim: agents trained on its transcripts have seen exactly this text).
@@ -78,9 +77,20 @@ def parse_last_action(reply: str) -> ParsedAction:
 
 def parse_search_answer(reply: str) -> ParsedAction:
     """Deep Search: the first `<search>..</search>` or `<answer>..</answer>` block, sent as
-    written."""
-    m = _SEARCH_TAG_RE.search(reply)
-    return ParsedAction(m.group(0) if m else "")
+    written (the block that opens first, closed by the first closing tag of its own kind).
+
+    Scanned with str.find, not a regex: a lazy `<(search|answer)>(.*?)</\1>` retries from every
+    unclosed opening tag, quadratic in the reply (a 100 KB reply of `<search>` took ~16 s). Only
+    a tag's first opening can matter: if it has no closing tag after it, no later one has."""
+    best = None  # (start, end) of the earliest closed block
+    for tag in ("search", "answer"):
+        start = reply.find(f"<{tag}>")
+        if start < 0 or (best is not None and start > best[0]):
+            continue
+        close = reply.find(f"</{tag}>", start + len(tag) + 2)
+        if close >= 0:
+            best = (start, close + len(tag) + 3)
+    return ParsedAction(reply[best[0]:best[1]] if best else "")
 
 
 def parse_whole_reply(reply: str) -> ParsedAction:
@@ -231,6 +241,16 @@ register_env("webarena", server=None, parse_action=parse_webarena, instructions=
 register_env("corridor", server="env_server.corridor:CorridorEnv", parse_action=parse_whole_reply,
              instructions="You are in a corridor. Each turn answer left or right to walk toward "
                           "the goal.")
+# What `python -m env_server NAME` knows: the games registered above. One registered (or replaced)
+# later, by a script, is that script's alone: train.py then serves it on a thread of its own
+# (trainer/cli.py's `serving_env`).
+BUILT_IN = dict(ENVS)
+
+
+def registered_here(name: str) -> bool:
+    """Whether the game `name` was registered (or replaced) in this process after this module, so
+    that a `python -m env_server` process would not serve it as registered here."""
+    return name in ENVS and ENVS[name] is not BUILT_IN.get(name)
 
 ACK = "OK. I will follow these instructions."
 
@@ -238,7 +258,8 @@ ACK = "OK. I will follow these instructions."
 def opening_messages(env: str, first_observation: str) -> list[dict]:
     """Instruction turn, the assistant's acknowledgement, then the env's first observation (as
     upstream)."""
-    return [{"role": "user", "content": system_prompt(env)}, {"role": "assistant", "content": ACK},
+    return [{"role": "user", "content": _part(env, "instructions")},
+            {"role": "assistant", "content": ACK},
             {"role": "user", "content": first_observation}]
 
 

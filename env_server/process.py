@@ -1,8 +1,8 @@
 """The env server as a child process of a script: `ServerProcess` and `serving`.
 
-Kept apart from app.py so that the scripts (train.py, eval.py, sft.py) never import Flask: their
-process holds the model and the generation engine, and vLLM's worker, while it starts, reads an
-attribute of every global of every loaded module, which Flask's request proxies refuse outside a
+Kept apart from app.py so that the scripts (train.py, eval.py, recipes/sft.py) never import Flask:
+their process holds the model and the generation engine, and vLLM's worker, while it starts, reads
+an attribute of every global of every loaded module, which Flask's request proxies refuse outside a
 request.
 """
 

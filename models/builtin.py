@@ -47,7 +47,11 @@ def build_once(path: str, build) -> str:
     winner."""
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + f".tmp{os.getpid()}"
-        build(tmp)
+        try:
+            build(tmp)
+        except BaseException:  # a build cut short (Ctrl-C, an error) leaves no half folder
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if os.path.exists(path):  # another process won the race
             shutil.rmtree(tmp)
         else:
@@ -110,7 +114,7 @@ def real_recipe(env: str) -> dict:
     if env not in warmstart.REAL_WARM_START:
         raise RuntimeError(f"no SFT warm-start recipe for {env!r} (there is one for "
                            f"{', '.join(sorted(warmstart.REAL_WARM_START))}); give the base "
-                           "model's name, or a folder that sft.py made")
+                           "model's name, or a folder that recipes.sft made")
     recipe = dict(warmstart.REAL_WARM_START[env])
     if os.environ.get("AGENTGYM_WARM_TASKS"):
         recipe["tasks"] = int(os.environ["AGENTGYM_WARM_TASKS"])

@@ -35,7 +35,7 @@ class FastHFEngine(HFEngine):
         self.compact = compact  # decode only the rows still generating once half have stopped
         self.decoded_rows = 0  # rows computed over all decoding steps (compaction: < steps x rows)
         self._kept = None  # the previous call's cache and rows, for reuse=True
-        self.reuse_ok = True  # False once the cache's layout is not the one _seeded_cache knows
+        self.reuse_ok = True  # False once the cache's layout is not the one _seed knows
         # prompt tokens taken from the kept cache / encoded (bench/turn_cache.py prints them)
         self.reused_tokens = self.encoded_tokens = 0
 
@@ -55,16 +55,35 @@ class FastHFEngine(HFEngine):
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                  temperature: float = 1.0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
+        """Per batch of `max_batch` prompts: the prompts left-padded into one block (prefill, from
+        the kept cache where a prompt extends a kept row), then one token per row per model call
+        until every row has sampled a stop id (decode), then each row cut after its stop id. With
+        `reuse`, the rows are kept for the next turn."""
         reuse = reuse and self.reuse_ok and self.static_cache
         kept, self._kept = self._kept, None
         if not reuse or (kept is not None and kept["version"] != self._weights_version()):
             kept = None  # not asked for, or the weights changed since: the kept cache is stale
         out, rows = [], []
-        for i in range(0, len(prompts), self.max_batch):
-            got, state = self._generate(prompts[i:i + self.max_batch], max_new_tokens, stop_ids,
-                                        temperature, top_p, generator, kept)
-            out += got
-            rows = rows + state if rows is not None and state is not None else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for i in range(0, len(prompts), self.max_batch):
+                chunk = prompts[i:i + self.max_batch]
+                step, cache = self._prefill(chunk, max_new_tokens, kept)
+                new_ids, new_lps = self._decode(step, cache, max_new_tokens, stop_ids,
+                                                temperature, top_p, generator)
+                got = cut_at_stop(new_ids, new_lps, stop_ids)
+                out += got
+                if reuse and rows is not None and hasattr(step["cache"], "layers"):
+                    # every id but the last sampled one went through the model: its keys and
+                    # values are in the cache
+                    rows += [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1,
+                              "cache": step["cache"], "b": b, "start": step["starts"][b]}
+                             for b, (p, s) in enumerate(zip(chunk, got))]
+                else:
+                    rows = None  # not asked for, or a cache that cannot be kept
+        finally:
+            self.model.train(was_training)
         if reuse and rows is not None:
             self._kept = {"rows": rows, "version": self._weights_version()}
         return out
@@ -98,14 +117,11 @@ class FastHFEngine(HFEngine):
             found.append(hit)
         return found
 
-    def _seeded_cache(self, rows: list[dict], hits, starts, length: int, first_slot: int):
-        """A StaticCache of `length` slots holding, for each prompt with a hit, the kept keys and
-        values of its reused tokens at the prompt's own slots; None where the cache's layout is not
-        the one expected (then every prompt is encoded in full)."""
+    def _seed(self, cache, rows: list[dict], hits, starts, first_slot: int) -> bool:
+        """Write into `cache` (a fresh StaticCache), for each prompt with a hit, the kept keys and
+        values of its reused tokens at the prompt's own slots; False where the cache's layout is
+        not the one expected (then every prompt is encoded in full)."""
         try:
-            cache = self._static_cache(length)
-            if cache is None:
-                return None
             B = len(hits)
             for layer_i, new_layer in enumerate(cache.layers):
                 for b, (r, n) in enumerate(hits):
@@ -120,36 +136,12 @@ class FastHFEngine(HFEngine):
                     new_layer.keys[b, :, starts[b]:starts[b] + n] = k[old_b, :, src:src + n]
                     new_layer.values[b, :, starts[b]:starts[b] + n] = v[old_b, :, src:src + n]
                 if not new_layer.is_initialized:
-                    return None
+                    return False
                 new_layer.cumulative_length.fill_(first_slot)
-            return cache
+            return True
         except (AttributeError, TypeError, RuntimeError, IndexError):  # another cache layout
             self.reuse_ok = False
-            return None
-
-    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator,
-                  kept=None):
-        """One batch: the prompts left-padded into one block (prefill), then one token per row per
-        model call until every row has sampled a stop id (decode), then each row cut after its
-        stop id; with the rows to keep for the next turn (None where the cache cannot be kept)."""
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            step, cache = self._prefill(prompts, max_new_tokens, kept)
-            new_ids, new_lps = self._decode(step, cache, max_new_tokens, stop_ids, temperature,
-                                            top_p, generator)
-        finally:
-            model.train(was_training)
-        out = cut_at_stop(new_ids, new_lps, stop_ids)
-        rows = None
-        if self.static_cache and step["cache"] is not None and hasattr(step["cache"], "layers"):
-            # every id but the last sampled one went through the model: its keys and values are
-            # in the cache
-            rows = [{"seq": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": step["cache"],
-                     "b": b, "start": step["starts"][b]}
-                    for b, (p, s) in enumerate(zip(prompts, out))]
-        return out, rows
+            return False
 
     def _prefill(self, prompts, max_new_tokens, kept):
         """The first model call's inputs: prompts left-padded so that every row's next token goes at
@@ -162,16 +154,12 @@ class FastHFEngine(HFEngine):
         # Encode columns [first, L): all of them, or only those past the longest reused prefix's
         # end. A row whose reuse ends earlier re-encodes a few of its kept tokens, to the same keys
         # and values.
-        first, cache = 0, None
-        if kept is not None:
+        first, cache = 0, self._static_cache(L + max_new_tokens)
+        if kept is not None and cache is not None:
             hits = self._matches(prompts, kept["rows"])
             first = L - max(len(p) - n for p, (_, n) in zip(prompts, hits))
-            if first > 0:
-                cache = self._seeded_cache(kept["rows"], hits, starts, L + max_new_tokens, first)
-            if cache is None:
-                first = 0
-        if cache is None:
-            cache = self._static_cache(L + max_new_tokens)
+            if first > 0 and not self._seed(cache, kept["rows"], hits, starts, first):
+                first, cache = 0, self._static_cache(L + max_new_tokens)  # a clean one
         self.reused_tokens += sum(first - s for s in starts if s < first)
         self.encoded_tokens += sum(L - max(s, first) for s in starts)
         step = {"ids": ids[:, first:], "pos": pos[:, first:], "attn": attn, "cache": cache,

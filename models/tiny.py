@@ -6,7 +6,8 @@ weights.
 
 The result is an ordinary Hugging Face folder: `AutoTokenizer.from_pretrained(OUT_DIR)` and
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it, like any hub model. Random weights cannot
-play a game; train.py warm-starts it with supervised fine-tuning on expert trajectories (sft.py).
+play a game; train.py warm-starts it with supervised fine-tuning on expert trajectories
+(recipes/sft.py).
 """
 
 from __future__ import annotations

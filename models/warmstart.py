@@ -349,8 +349,8 @@ REAL_WARM_START = {
 def copy_stage(env: str, base: str, out: str, steps: int, seed: int = 0) -> dict:
     """Stage 1 alone: the model folder `base` after `steps` steps of copy_pretrain on random tokens
     and the env's text, saved into `out` with copy_stage.json (its loss every 50 steps and the
-    last). It does not depend on the rest of the recipe, so models.py caches it apart (a new SFT
-    recipe reuses it)."""
+    last). It does not depend on the rest of the recipe, so models/builtin.py caches it apart (a
+    new SFT recipe reuses it)."""
     import models.tiny as tiny_model
 
     t0 = time.time()

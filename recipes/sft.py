@@ -277,13 +277,15 @@ class Config(Shared):
 
 
 def parse_args(argv=None) -> Config:
-    p, cfg = parse_config(Config, argv, __doc__, prog="sft.py")
+    p, cfg = parse_config(Config, argv, __doc__, prog="python -m recipes.sft")
     if not cfg.out:
         p.error("--out is required: the folder the fine-tuned model is saved to")
     check_positive(p, cfg, ("epochs", "batch_size", "micro_batch_tokens", "iterations",
                             "samples_per_task", "max_turns", "max_new_tokens", "guess_turns"))
     check_ranges(p, cfg, {"lr": "(0, inf)", "temperature": "[0, inf)", "beta": "(0, inf)"})
     check_reporter(p, cfg.report_to)
+    if not -2 ** 63 <= cfg.seed < 2 ** 64:  # torch.manual_seed takes no more: a traceback, late
+        p.error(f"--seed {cfg.seed}: a seed must fit in 64 bits")
     if not 0.0 <= cfg.noise <= 1.0:
         p.error(f"--noise must be a probability in [0, 1], got {cfg.noise}")
     if not 0.0 <= cfg.guess < 1.0:
@@ -304,8 +306,8 @@ def parse_args(argv=None) -> Config:
     from env_server.agents import served_here
     if not served_here(cfg.env):
         check_env(p, cfg)  # names what is wrong with the registration
-        p.error(f"--env {cfg.env}: sft.py plays the expert in-process; it needs a game this "
-                "project serves")
+        p.error(f"--env {cfg.env}: recipes.sft plays the expert in-process; it needs a game "
+                "this project serves")
     try:
         cfg_task_ids(cfg)
     except ValueError as e:

@@ -3,6 +3,7 @@ reflect trajectory that resets its env between attempts and keeps every sampled 
 mask, and the original release's item-id lists."""
 
 import json
+import time
 
 import pytest
 from conftest import sampled_runs
@@ -52,6 +53,29 @@ def test_other_parsers():
     assert parse_action("webarena", "click [12]").action is None
     with pytest.raises(ValueError, match="unknown environment 'nope'"):
         parse_action("nope", "x")
+
+
+@pytest.mark.parametrize("reply,action", [
+    ("<search>a</answer><answer>b</answer>", "<answer>b</answer>"),  # the search never closes
+    ("<search>a<answer>b</answer>c</search>", "<search>a<answer>b</answer>c</search>"),
+    ("<answer>x</answer></answer>", "<answer>x</answer>"),
+    ("x<search></search>", "<search></search>"),
+    ("<search>\nq\n</search>", "<search>\nq\n</search>"),
+    ("</search><search>", ""),
+])
+def test_search_answer_blocks(reply, action):
+    assert parse_search_answer(reply).action == action
+
+
+def test_search_answer_is_linear():
+    """A regex with a lazy body retried from every unclosed tag took ~16 s on such a reply (the
+    bound, 5 s, leaves room for a loaded machine; the linear parse takes milliseconds)."""
+    for reply in ("<search>" * 12_500, "<answer><search>" * 6_250, "<search>x</answer>" * 6_000):
+        t0 = time.perf_counter()
+        assert parse_search_answer(reply).action == ""
+        assert time.perf_counter() - t0 < 5.0
+    assert parse_search_answer("<answer>" * 12_500 + "</answer>").action == "<answer>" * 12_500 \
+        + "</answer>"
 
 
 # ---------------------------------------------------------------- parsing, scheme by scheme

@@ -201,6 +201,22 @@ def test_unwhitened_advantages_whiten_to_the_default():
     assert torch.equal(adv, adv * m)  # still 0 off the mask
 
 
+def test_the_reinforce_pp_estimator_whitens_its_returns():
+    """--algo reinforce_pp as the trainer runs it (algos.estimator, whiten=False inside, then the
+    inputs' `whiten`, which under torchrun spans every rank): the advantages are the returns
+    whitened over the batch's sampled tokens, not the raw returns. By hand: sampled at 1, 2, 4,
+    reward 1 at 4, gamma 0.5: returns 0.25, 0.5, 1.0 (mean 7/12, unbiased std 0.381881)."""
+    m = T_([[0, 1, 1, 0, 1]])
+    x = algos.AdvantageInputs(T_([1.0]), T_([0]), m, gamma=0.5)
+    adv, returns = algos.estimator("reinforce_pp").fn(x)
+    assert returns is None  # no critic to train
+    assert close(adv, [[0.0, -0.872872, -0.218218, 0.0, 1.091089]], tol=1e-4)
+    # the whitening is the one the inputs carry, given the raw returns
+    x.whiten = lambda v, mask: 10 * v * mask
+    adv, _ = algos.estimator("reinforce_pp").fn(x)
+    assert close(adv, [[0.0, 2.5, 5.0, 0.0, 10.0]])
+
+
 # ------------------------------------------------------------------------------------------ losses
 def test_agg_loss_modes_with_empty_row():
     loss = T_([[1.0, 2.0, 3.0], [4.0, 0.0, float("nan")], [9.0, 9.0, 9.0]])
@@ -402,3 +418,16 @@ def test_non_finite_scores_are_refused_not_spread(bad):
     for name in algos.ESTIMATORS:
         with pytest.raises(ValueError, match="must be finite"):
             algos.estimator(name).fn(x)
+
+
+def test_a_tied_group_of_any_score_gets_exactly_zero():
+    """In float32 8 x 0.7 sums to 5.6000004: a mean an ulp off the scores, which over GRPO's eps
+    was an advantage of 0.06 on a group that carries no signal (any env with scores other than
+    0 and 1: BabyAI, SciWorld)."""
+    for score in (0.1, 0.35, 0.7, 0.9):
+        for G in (3, 6, 8, 16):
+            s, g = torch.full((G,), score), torch.zeros(G, dtype=torch.long)
+            assert algos.grpo_advantages(s, g).abs().max() == 0, (score, G)
+            assert algos.rloo_advantages(s, g).abs().max() == 0, (score, G)
+    a = algos.grpo_advantages(torch.tensor([0.7, 0.7, 0.1, 0.1]), torch.tensor([0, 0, 1, 1]))
+    assert (a == 0).all()

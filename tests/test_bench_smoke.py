@@ -83,9 +83,9 @@ def test_main_command_bench_reads_a_run(tmp_path, monkeypatch):
 
 
 def test_horizon_comparison_runs_on_corridor(tmp_path):
-    """bench/horizons.py on CPU with tiny settings: three schedules from the same start, two steps
-    each, run side by side, then one PNG and a table (Markdown and JSON) naming device, speeds and
-    memory."""
+    """bench/horizons.py (a wrapper of recipes.horizons) on CPU with tiny settings: three schedules
+    from the same start, two steps each, run side by side, then one PNG and a table (Markdown and
+    JSON) naming device, speeds and memory."""
     import json
     import os
     out = tmp_path / "h"
@@ -100,17 +100,17 @@ def test_horizon_comparison_runs_on_corridor(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     table = json.load(open(out / "horizons.json"))
-    assert ([t["schedule"] for t in table["runs"]] == ["2", "4", "2,4"]
+    assert ([t["arm"] for t in table["arms"]] == ["2", "4", "2,4"]
             and table["device"].startswith("CPU"))
-    for t in table["runs"]:
-        assert [step for step, _ in t["curve"]] == [0, 1, 2]
+    for t in table["arms"]:
+        assert [p["step"] for p in t["curve"]] == [0, 1, 2]
         assert t["gen_tokens_per_s"] > 0 and t["train_tokens_per_s"] > 0
-    metrics = [json.loads(x) for x in open(out / "corridor" / "K2-4_s0" / "metrics.jsonl")]
+    metrics = [json.loads(x) for x in open(out / "K2-4_s0" / "metrics.jsonl")]
     assert [m["max_turns"] for m in metrics] == [2, 4]  # ScalingInter-RL: the horizon grew
     assert (os.path.getsize(out / "horizons.png") > 10_000
-            and "| 2,4 |" in open(out / "horizons.md").read())
-    # --no-save: metrics only
-    assert not os.path.exists(out / "corridor" / "K2-4_s0" / "checkpoint")
+            and "| K=2->4 (ScalingInter-RL) |" in open(out / "horizons.md").read())
+    # --no-save: metrics only, and so no paired end comparison
+    assert not os.path.exists(out / "K2-4_s0" / "checkpoint") and table["paired"] == []
 
 
 def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):

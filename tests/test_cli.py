@@ -4,6 +4,7 @@ last (every number in summary.json), one-line errors for a missing model folder,
 name, an unreachable --env-addr and a taken port, a warning for steps that never reach a stage, and
 a run's config.json replayed with --config, flags beside it overriding it."""
 
+import glob
 import json
 import os
 import socket
@@ -213,10 +214,10 @@ def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(t
     args = [*TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out), "--cache-dir", cache_dir]
     assert run(["train.py", *args]).returncode == 0
     first = json.load(open(out / "config.json"))
-    cfg = train.parse_args(["--resume", "--out", str(out)])
-    assert ({k: v for k, v in vars(cfg).items() if k != "resume"}
-            == {k: v for k, v in first.items() if k != "resume"})
-    assert cfg.env == "corridor" and cfg.lr == 1e-3 and cfg.resume
+    cfg = train.parse_args(["--resume", "--out", str(out), "--steps", "2"])  # (1: nothing to do)
+    assert ({k: v for k, v in vars(cfg).items() if k not in ("resume", "steps")}
+            == {k: v for k, v in first.items() if k not in ("resume", "steps")})
+    assert cfg.env == "corridor" and cfg.lr == 1e-3 and cfg.resume and cfg.steps == 2
     r = run(["train.py", "--resume", "--out", str(out), "--steps", "2", "--save-every", "-1"])
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.load(open(out / "config.json"))
@@ -364,3 +365,168 @@ def test_the_shipped_configs_are_the_runs_they_name():
     ids = json.load(open(os.path.join(ROOT, cfg.tasks_file)))
     splits = load_builtin_world().splits
     assert len(ids) == len(set(ids)) == 34 and set(ids) <= set(splits["train"])
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, cache_dir):
+    """A finished 2-step Corridor run (a checkpoint at step 2); tests copy it before changing it."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    r = run(["train.py", *TINY, "--eval-every", "0", "--steps", "2", "--out", str(out),
+             "--cache-dir", cache_dir])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_a_resume_with_nothing_to_do_or_another_game_or_seed_writes_nothing(tmp_path,
+                                                                            two_step_run):
+    """--resume with --steps at or below the checkpoint's step says so in one line and exits 0;
+    another --env (whose model would be built) or --seed is refused in one line; in each case
+    config.json, summary.json and metrics.jsonl stay as they were."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    before = {f: (out / f).read_bytes() for f in ("config.json", "summary.json", "metrics.jsonl")}
+    for steps in ("1", "2"):
+        r = run(["train.py", "--resume", "--out", str(out), "--steps", steps])
+        assert r.returncode == 0 and r.stdout.strip() == (
+            f"train.py: --resume: the checkpoint in {out} is at step 2 and --steps is {steps}: "
+            "nothing to do (a larger --steps extends the run)"), r.stdout + r.stderr[-2000:]
+    for flags, needle in ((["--env", "textcraft"], "is a run of --env corridor, not textcraft"),
+                          (["--seed", "3"], "is a run of --seed 0, not 3")):
+        one_line_error(run(["train.py", "--resume", "--out", str(out), "--steps", "3", *flags]),
+                       f"--resume: {out} {needle}")
+    assert {f: (out / f).read_bytes() for f in before} == before
+
+
+def test_summary_minutes_are_the_whole_runs_and_a_changed_batch_is_warned_of(tmp_path,
+                                                                             two_step_run):
+    """summary.json's minutes after a resume: the run's, every session's (the checkpoint keeps the
+    minutes up to it), not the last session's alone. A --batch-size other than the run's is taken
+    with a one-line warning."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    first = json.load(open(out / "summary.json"))["minutes"]
+    t0 = time.time()
+    r = run(["train.py", "--resume", "--out", str(out), "--steps", "3", "--batch-size", "4"])
+    took = (time.time() - t0) / 60
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("train.py: warning: --resume: from step 3 --batch-size 4 (the run's: 2): the run is no "
+            "longer the one an unbroken run would be") in r.stderr
+    summary = json.load(open(out / "summary.json"))
+    assert summary["steps"] == 3 and first < summary["minutes"] < first + took, (first, summary)
+
+
+def test_a_checkpoint_folder_is_a_checkpoint_too_for_eval(tmp_path, two_step_run):
+    """eval.py --checkpoint RUN/checkpoint plays RUN's checkpoint with RUN's settings and writes
+    into RUN, as --checkpoint RUN does."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    r = run(["eval.py", "--checkpoint", str(out / "checkpoint"), "--limit", "2", "--n", "1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.load(open(out / "eval_test.json"))
+    assert result["policy"] == str(out / "checkpoint" / "model") and result["n_scored"] == 1
+    assert result["config"]["env"] == "corridor" and result["config"]["max_turns"] == 2
+
+
+def test_the_real_model_defaults_are_named_when_model_sets_them(tmp_path, capsys):
+    """--model (a folder SFT made, say) takes configs/real-model.json's defaults: one line names
+    each one set, and none that a flag gave; without --model, no line."""
+    model = tmp_path / "sft-mygame"
+    model.mkdir()
+    train.parse_args(["--env", "corridor", "--model", str(model), "--lr", "1e-5"])
+    err = capsys.readouterr().err
+    assert ("train.py: --model: real-model defaults from configs/real-model.json: --kl-coef 0.0, "
+            "--warmup-steps 3, --max-update-kl 0.01, --dynamic-sampling, --mini-batch-size 16, "
+            "--micro-batch-tokens 4096 (a flag or --config overrides each)\n") in err, err
+    train.parse_args(["--env", "corridor"])
+    assert "real-model defaults" not in capsys.readouterr().err
+
+
+def test_a_seed_past_64_bits_and_an_out_under_a_file_are_one_line(tmp_path):
+    one_line_error(run(["train.py", "--env", "corridor", "--seed", str(2 ** 64)]),
+                   f"--seed {2 ** 64}: a seed must fit in 64 bits")
+    (tmp_path / "somefile").write_text("")
+    one_line_error(run(["train.py", "--env", "corridor", "--out", str(tmp_path / "somefile/run")]),
+                   f"--out {tmp_path / 'somefile/run'}: {tmp_path / 'somefile'} is a file")
+
+
+def test_settings_that_learn_nothing_are_refused_or_warned_of(tmp_path, cache_dir, capsys):
+    """A group of one: RLOO's baseline is the rest of the group (every advantage 0) and dynamic
+    sampling replaces every group (it always ties): refused; GRPO's advantage is then the raw
+    score: a warning. A shrinking horizon: a warning. A --max-context the opening prompt alone
+    fills (no reply fits after it) is refused once the tokenizer is known, before anything is
+    written."""
+    for flags, needle in ((["--algo", "rloo"], "--group-size 1 with --algo rloo: "),
+                          (["--dynamic-sampling"], "--group-size 1 with --dynamic-sampling: ")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--env", "corridor", "--group-size", "1", *flags])
+        assert needle in capsys.readouterr().err
+    for algo in ("grpo", "gigpo"):
+        train.parse_args(["--env", "corridor", "--group-size", "1", "--algo", algo])
+        assert (f"warning: --group-size 1 with --algo {algo}: a group of one has no baseline"
+                in capsys.readouterr().err)
+    train.parse_args(["--env", "corridor", "--schedule", "30,20"])
+    assert "warning: --schedule 30,20 shrinks the horizon" in capsys.readouterr().err
+    out = tmp_path / "run"
+    r = run(["train.py", *TINY, "--max-context", "40", "--out", str(out), "--cache-dir", cache_dir])
+    last = r.stderr.strip().splitlines()[-1]  # (after the model's build, where this one builds it)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert last.startswith("--max-context 40: the opening prompt alone is ") and not out.exists()
+    assert "no trajectory would reach its first reply" in last
+
+
+class _NotAnEnvServer:
+    """Python's http.server on a thread: a web server, not an env server."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                     http.server.SimpleHTTPRequestHandler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_an_env_addr_that_is_not_an_env_server_is_named_so(tmp_path):
+    with _NotAnEnvServer() as url:
+        for script in ("train.py", "eval.py"):
+            r = run([script, "--env", "corridor", "--env-addr", url,
+                     "--out", str(tmp_path / script)])
+            one_line_error(r, f"--env-addr {url} is not an env server of this project: it "
+                              "answered 404")
+            assert not (tmp_path / script).exists()
+
+
+def test_ctrl_c_while_the_warm_start_builds_is_one_line(tmp_path):
+    """Ctrl-C in the minutes the tiny model's warm start takes to build: exit 130, one line, no
+    traceback, no half-built folder in the cache and no run folder."""
+    import signal
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "--env", "textcraft", "--threads", "1",
+                             "--cache-dir", str(cache), "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()  # the random tiny model is built first, in seconds; then its warm start
+        while not glob.glob(str(cache / "tiny-textcraft-*" / "config.json")):
+            assert proc.poll() is None and time.time() - t0 < 240, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("Ctrl-C: stopped building the tiny model in ")
+    assert not [p for p in os.listdir(cache) if ".tmp" in p] and not out.exists()

@@ -263,3 +263,61 @@ def test_torchrun_two_ranks_then_one_process_resumes(tmp_path, cache_dir):
     optim = torch.load(os.path.join(ckpt, "optim.pt"), weights_only=True)["optims"]
     for name in ("policy", "critic"):  # Adam's step count went on from the two-rank run: 2 + 1
         assert {float(s["step"]) for s in optim[name]["state"].values()} == {3.0}, name
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_across_two_nodes_writes_one_run_folder(tmp_path, cache_dir):
+    """docs/gpu.md's multi-node command on one machine: two `torchrun --nnodes 2 --nproc-per-node 1
+    --node-rank R` processes meet at rank 0's address (here 127.0.0.1), each rank on an env server
+    of its own node; rank 0 (node 0) writes the one run folder: every rank's trajectories, the
+    evaluations both halves played, a checkpoint holding both ranks' random streams. Both exit 0."""
+    out, port = str(tmp_path / "run"), free_port()
+    args = ["train.py", "--env", "corridor", "--batch-size", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--threads", "1", "--schedule", "2", "--steps", "2",
+            "--eval-every", "2", "--eval-tasks", "2", "--out", out, "--cache-dir", cache_dir,
+            "--device", "cpu"]
+    procs, logs = [], [tmp_path / f"node{r}.log" for r in (0, 1)]
+    try:
+        for r in (0, 1):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                 "--nproc-per-node", "1", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                 "--master-port", str(port), *args], cwd=ROOT, stdout=open(logs[r], "w"),
+                stderr=subprocess.STDOUT, text=True))
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
+    assert f"run folder: {out}" in text[0] and "run folder:" not in text[1]  # rank 0 speaks
+    m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["step"] for x in m] == [1, 2]
+    for step in (1, 2):  # both ranks' groups, in one process's order
+        rows = [json.loads(x)
+                for x in open(os.path.join(out, "rollouts", f"step_{step:06d}.jsonl"))]
+        assert [x["group"] for x in rows] == [0, 0, 1, 1]
+    evals = [json.loads(x) for x in open(os.path.join(out, "eval.jsonl"))]
+    assert [(e["step"], e["tasks"]) for e in evals] == [(0, 2), (2, 2)]
+    state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 2 and len(state["rank_rngs"]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["node0.log", "node1.log", "run"]
+
+
+def test_the_resume_command_of_a_multi_node_run(monkeypatch):
+    from trainer.checkpoints import resume_command
+
+    for k, v in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1"),
+                 ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(k, v)
+    assert resume_command("runs/a") == ("torchrun --nnodes 2 --nproc-per-node 2 --node-rank R "
+                                        "--master-addr 10.0.0.1 --master-port 29500 train.py "
+                                        "--resume --out runs/a")

@@ -77,3 +77,22 @@ def test_the_link_finder_sees_links_and_skips_urls_anchors_and_code():
             "```\n[nor](fenced.md)\n```\n"
             "[ref]: e.md\n")
     assert relative_targets(text) == ["docs/a.md", "b.png", "e.md", "d.png"]
+
+
+TOUR_ROW = re.compile(r"^\| [^|]+ \| \[([\w/.]+\.py):(\d+)\]\(([\w/.]+\.py)#L(\d+)\) `([^`]+)` \|")
+
+
+def test_the_readmes_tour_points_at_the_lines_it_quotes():
+    """Each row of the reading path's table names file:line and quotes that line: the line must
+    still hold the quote (line numbers move as the code does)."""
+    rows = [TOUR_ROW.match(x) for x in open(README, encoding="utf-8")]
+    rows = [r for r in rows if r]
+    assert len(rows) >= 10, "the reading path's table is gone"
+    wrong = []
+    for r in rows:
+        path, line, link, link_line, quote = r.groups()
+        lines = open(os.path.join(ROOT, path), encoding="utf-8").read().split("\n")
+        at = [i + 1 for i, x in enumerate(lines) if quote in x]
+        if path != link or line != link_line or int(line) not in at:
+            wrong.append(f"{path}:{line} `{quote}` (found at {at})")
+    assert not wrong, f"the README's tour is out of date: {wrong}"

@@ -2,6 +2,7 @@
 locking, the instance cap, the reaper, batch calls, and that a bug in a game is a 500 that kills
 nothing."""
 
+import contextlib
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 from conftest import raw
 from toy_env import CounterEnv
 
-from env_server.app import serve_in_thread
+from env_server.app import create_app, serve_in_thread, serve_wsgi_in_thread
 
 
 def test_health_and_tasks(toy_server):
@@ -159,30 +160,60 @@ def test_create_with_a_request_key_is_idempotent(toy_server):
     assert create({"request_key": "k1"}) not in (a, b) and live() == 4
 
 
-class SlowToBuild(CounterEnv):
-    def __init__(self, world):
-        time.sleep(0.5)  # a JVM or a browser starting
-        super().__init__(world)
+def until(cond, what: str, timeout: float = 60.0) -> None:
+    """Poll cond() until it holds; fail naming `what` after `timeout` s (a generous deadline: what
+    a loaded machine delays is waited for, not raced)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.01)
 
 
 def test_a_key_retried_while_its_create_is_running_waits_for_it():
-    """A retry that arrives while the first create is still making its env gets that instance."""
-    url, stop = serve_in_thread(SlowToBuild, first_id=0)
+    """A retry that arrives while the first create is still making its env gets that instance. The
+    env (a JVM or a browser starting) is finished only once both retries wait for it (counted
+    where the registry waits), so a loaded machine cannot let the first create end before they
+    come."""
+    building, finish = threading.Event(), threading.Event()
+
+    class SlowToBuild(CounterEnv):
+        def __init__(self, world):
+            building.set()
+            finish.wait(60)
+            super().__init__(world)
+
+    app = create_app(SlowToBuild, first_id=0)
+    reg, waits = app.extensions["registry"], []
+    real_wait = reg.waiting
+
+    @contextlib.contextmanager
+    def counted_wait():
+        waits.append(1)
+        with real_wait():
+            yield
+
+    reg.waiting = counted_wait
+    url, stop = serve_wsgi_in_thread(app)
     try:
         ids = []
         threads = [threading.Thread(target=lambda: ids.append(raw(url, "POST", "/create",
                                                                   {"request_key": "k"})))
                    for _ in range(3)]
-        for t in threads:
+        threads[0].start()
+        until(building.is_set, "the first create did not start making its env")
+        for t in threads[1:]:
             t.start()
-            time.sleep(0.1)
+        until(lambda: len(waits) == 2, "the retries did not wait for the first create")
+        finish.set()
         for t in threads:
-            t.join()
+            t.join(60)
         assert [s for s, _ in ids] == [200] * 3 and {c["id"] for _, c in ids} == {0}
         assert raw(url, "GET", "/")[1]["instances"] == 1
         assert raw(url, "POST", "/reset", {"id": 0, "data_idx": 0})[0] == 200
     finally:
+        finish.set()
         stop()
+        reg.stop()
 
 
 def test_episode_state_errors(toy_server):
@@ -231,18 +262,44 @@ def test_instance_cap_is_a_clear_503(make_toy_server):
     assert status == 200 and c["id"] == 3  # ids are never reused
 
 
-def test_idle_instances_are_reaped(make_toy_server):
-    url = make_toy_server(idle_timeout_s=0.3)
-    raw(url, "POST", "/create", {"data_idx": 0})  # id 0: left idle
-    raw(url, "POST", "/create", {"data_idx": 19})  # id 1: kept busy
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        assert raw(url, "POST", "/step", {"id": 1, "action": "add 1"})[0] == 200
-        time.sleep(0.05)
-    status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})
-    assert status == 404 and "reaped" in e["error"]
-    health = raw(url, "GET", "/")[1]
-    assert health["instances"] == 1 and health["reaped"] == 1
+def test_idle_instances_are_reaped():
+    """An instance idle past --idle-timeout (0.3 s) is reaped; one inside a call is busy, not idle,
+    however long ago the call began. The busy one is held inside one call (a reset that waits for
+    the test), not kept busy by a loop of short steps, whose pauses a loaded machine could stretch
+    past the timeout."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Held(CounterEnv):
+        def reset(self, idx):
+            if idx == 19:
+                inside.set()
+                release.wait(60)
+            return super().reset(idx)
+
+    app = create_app(Held, first_id=0, idle_timeout_s=0.3)
+    reg = app.extensions["registry"]
+    url, stop = serve_wsgi_in_thread(app)
+    try:
+        raw(url, "POST", "/create", {"data_idx": 0})  # id 0: left idle
+        held = []  # id 1: made, then inside its reset until released
+        caller = threading.Thread(target=lambda: held.append(raw(url, "POST", "/create",
+                                                                 {"data_idx": 19})))
+        caller.start()
+        until(inside.is_set, "the held call did not start")
+        until(lambda: raw(url, "GET", "/")[1]["reaped"] == 1, "the idle instance was not reaped")
+        time.sleep(0.4)  # the held call began more than the timeout ago: idle by the clock alone
+        assert reg.reap() == 0  # a reaper pass skips it: it is busy
+        status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})
+        assert status == 404 and "reaped" in e["error"]
+        health = raw(url, "GET", "/")[1]
+        assert health["instances"] == 1 and health["reaped"] == 1
+        release.set()
+        caller.join(60)
+        assert held[0][0] == 200 and held[0][1]["id"] == 1
+    finally:
+        release.set()
+        stop()
+        reg.stop()
 
 
 def test_per_instance_lock_serialises_calls(toy_server):
@@ -286,3 +343,51 @@ def test_batch_size_limit(make_toy_server):
     url = make_toy_server(max_batch_ops=4)
     status, e = raw(url, "POST", "/batch", {"ops": [{"op": "create"}] * 5})
     assert status == 400 and "at most 4 ops" in e["error"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "99999"], "argument --port: 99999 is outside [0, 65535]"),  # once: a random port
+    (["--port", "-5"], "argument --port: -5 is outside [0, 65535]"),  # once: a 28-line traceback
+    (["--port", "x"], "argument --port: not an integer: 'x'"),
+    (["--threads", str(2 ** 64)], f"argument --threads: {2 ** 64} is outside [1, 1024]"),
+    (["--op-timeout", "inf"], "argument --op-timeout: inf is outside"),
+    (["--idle-timeout", "nan"], "argument --idle-timeout: nan is outside"),
+    (["--parent-pid", "-1"], "argument --parent-pid: -1 is outside"),
+])
+def test_server_flags_out_of_range_are_one_line_and_exit_2(argv, needle, capsys):
+    from env_server.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["corridor", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"python -m env_server: error: {needle}"), err
+
+
+def test_idle_connections_at_the_limit_do_not_lock_new_clients_out():
+    """Connections that never send a request are closed after channel_timeout (30 s by default,
+    checked every cleanup_interval), so that a client holding the whole connection limit idle
+    locks others out for that long at most (waitress's own 300 s before). Here the same rule at a
+    small scale: 16 idle connections, the limit, 1 s."""
+    import socket
+    import urllib.request
+
+    from env_server.app import create_app, make_server
+
+    default = make_server(create_app(CounterEnv))
+    assert (default.adj.channel_timeout, default.adj.cleanup_interval) == (30, 5)
+    default.close()
+    server = make_server(create_app(CounterEnv), connection_limit=16, channel_timeout=1,
+                         cleanup_interval=1)
+    threading.Thread(target=server.run, daemon=True).start()
+    port = server.effective_port
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+    try:
+        t0 = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+            assert r.status == 200
+        assert time.monotonic() - t0 < 20  # the idle ones reaped, not waited out for minutes
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

@@ -2,10 +2,12 @@
 and the OpenAI-compatible endpoint path against a fake chat server (right answers, and HTTP 500
 counted as errors)."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -18,20 +20,40 @@ from tools import eval_outputs, paired
 
 
 def test_score_table_against_hand_count():
-    rows = [  # 3 tasks x 2 samples, two categories
-        (10, "a", 0, 1.0), (10, "a", 1, 0.0),  # mean 0.5, passed
-        (11, "a", 0, 0.0), (11, "a", 1, 0.0),  # mean 0,   failed
-        (20, "b", 0, 0.5), (20, "b", 1, 1.0),  # mean 0.75, passed
+    rows = [  # 3 tasks x 2 samples, two categories; (..., score, success)
+        (10, "a", 0, 1.0, True), (10, "a", 1, 0.0, False),  # mean 0.5, passed
+        (11, "a", 0, 0.0, False), (11, "a", 1, 0.0, False),  # mean 0,   failed
+        (20, "b", 0, 0.5, False), (20, "b", 1, 1.0, True),  # mean 0.75, passed
+        # a score above 0 in an episode the env did not end (cut at K) is no success
+        (30, "c", 0, 0.5, False), (30, "c", 1, 0.0, False),  # mean 0.25, failed
     ]
     t = ev.score_table(rows)
     assert t["n"] == 2
-    assert t["overall"]["tasks"] == 3 and t["overall"]["samples"] == 6
-    assert t["overall"]["avg@2"] == pytest.approx((0.5 + 0.0 + 0.75) / 3)
-    assert t["overall"]["pass@2"] == pytest.approx(2 / 3)
+    assert t["overall"]["tasks"] == 4 and t["overall"]["samples"] == 8
+    assert t["overall"]["avg@2"] == pytest.approx((0.5 + 0.0 + 0.75 + 0.25) / 4)
+    assert t["overall"]["pass@2"] == pytest.approx(2 / 4)
+    assert t["by_category"]["c"]["pass@2"] == 0.0
     assert t["by_category"]["a"]["avg@2"] == pytest.approx(0.25)
     assert t["by_category"]["a"]["pass@2"] == pytest.approx(0.5)
     assert t["by_category"]["b"] == {"tasks": 1, "samples": 2, "avg@2": pytest.approx(0.75),
                                      "pass@2": 1.0}
+
+
+def test_score_table_weighs_every_task_alike_whatever_its_errors_left():
+    """Avg@n is the mean over tasks of each task's mean: a task left with one scored sample (its
+    others were errors, not scored 0) weighs as much as one with all n. By hand: task 1 scores
+    1.0 and 1.0, task 2 keeps one 0.0 of its two -> Avg@2 = (1.0 + 0.0) / 2 = 0.5 (per sample it
+    would be 2/3)."""
+    rows = [(1, "a", 0, 1.0, True), (1, "a", 1, 1.0, True),
+            (2, "a", 1, 0.0, False),  # sample 0 was an env error
+            (3, "b", 0, 0.25, False)]  # a category of one task, one sample of two
+    t = ev.score_table(rows)
+    assert t["n"] == 2 and t["overall"]["tasks"] == 3 and t["overall"]["samples"] == 4
+    assert t["overall"]["avg@2"] == pytest.approx((1.0 + 0.0 + 0.25) / 3)
+    assert t["overall"]["pass@2"] == pytest.approx(1 / 3)
+    assert t["by_category"]["a"] == {"tasks": 2, "samples": 3, "avg@2": pytest.approx(0.5),
+                                     "pass@2": pytest.approx(0.5)}
+    assert t["by_category"]["b"]["avg@2"] == pytest.approx(0.25)
 
 
 def test_categories_come_from_the_env():
@@ -68,10 +90,11 @@ def test_checkpoint_eval_matches_hand_count(tmp_path):
     assert all(t["turns"] <= 6 for t in trajs)
     by_item: dict = {}
     for t in trajs:
-        by_item.setdefault(t["item_id"], []).append(t["reward"])
+        by_item.setdefault(t["item_id"], []).append((t["reward"], t["status"] == "done"))
     assert sorted(by_item) == [48, 49, 50, 51] and all(len(s) == 2 for s in by_item.values())
-    avg = sum(sum(s) / 2 for s in by_item.values()) / 4
-    passed = sum(max(s) > 0 for s in by_item.values()) / 4
+    avg = sum(sum(r for r, _ in s) / 2 for s in by_item.values()) / 4
+    # one success rule with training: the env ended the episode with a score above 0
+    passed = sum(any(r > 0 and done for r, done in s) for s in by_item.values()) / 4
     assert res["overall"]["avg@2"] == pytest.approx(avg)
     assert res["dtype"] == "float32"  # --dtype auto: the tiny model is too small for bf16
     assert res["overall"]["pass@2"] == pytest.approx(passed)
@@ -158,7 +181,9 @@ def test_endpoint_http_500_is_an_error_not_a_zero(tmp_path, corridor_url):
                                     b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}"])  # cut
 def test_endpoint_answering_nonsense_is_an_error_not_a_crash(answer):
     """A server whose answer is not HTTP, or is cut short: http.client's own errors, which are not
-    OSErrors, come out as the endpoint's error after the retries."""
+    OSErrors, come out as the endpoint's error after the retries. (The server counts a request
+    once it has closed its connection, which may be after the client has given up on it: the count
+    is read once the server's thread has ended, not raced against it.)"""
     import socket
     import threading
 
@@ -177,13 +202,133 @@ def test_endpoint_answering_nonsense_is_an_error_not_a_crash(answer):
             conn.close()
             served.append(1)
 
-    threading.Thread(target=serve, daemon=True).start()
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
     ep = ChatEndpoint(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", 1.0, 1.0, 8, timeout_s=5,
                       retries=1)
     with pytest.raises(ev.EnvError) as e:
         ep.chat([{"role": "user", "content": "hi"}])
+    server.join(60)  # both answered and closed; without a retry it waits in accept: 1 served
     sock.close()
     assert e.value.kind == "endpoint" and len(served) == 2
+
+
+def raw_server(answer):
+    """A socket server on a daemon thread: `answer(conn)` writes each connection's answer after its
+    request is read. Returns (base URL, the number of requests served so far: a list)."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    served = []
+
+    def serve():
+        while True:
+            conn, _ = sock.accept()
+            with conn:
+                conn.recv(65536)
+                served.append(1)
+                with contextlib.suppress(OSError):  # the client may hang up first
+                    answer(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", served
+
+
+def chat_answer(body: bytes, status: str = "200 OK", extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            f"\r\n{extra}Connection: close\r\n\r\n").encode() + body
+
+
+def right_answer(pad: int = 0) -> bytes:
+    return json.dumps({"choices": [{"message": {"content": "Action: right" + " " * pad}}]}).encode()
+
+
+@pytest.mark.parametrize("head", [False, True])  # the body trickles, or the status line already
+def test_endpoint_deadline_holds_however_slowly_the_answer_trickles(head):
+    """A byte every 0.05 s: each read is quick, so a socket timeout alone never fires (a 3 s
+    timeout once took 94 s); the whole attempt ends at its deadline. The bound, 20 s, leaves a
+    loaded machine room: the answer takes over 100 s to trickle in."""
+    from tools.endpoint import ChatEndpoint
+
+    whole = chat_answer(right_answer(pad=2000))
+
+    def trickle(conn):
+        sent = 0 if head else whole.index(b"\r\n\r\n") + 4
+        conn.sendall(whole[:sent])
+        for i in range(sent, len(whole)):
+            conn.sendall(whole[i:i + 1])
+            time.sleep(0.05)
+
+    url, served = raw_server(trickle)
+    ep = ChatEndpoint(url, "m", 1.0, 1.0, 8, timeout_s=1.0, retries=1)
+    t0 = time.monotonic()
+    with pytest.raises(ev.EnvError) as e:
+        ep.chat([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 20  # two attempts of 1 s, and the pause between them
+    assert e.value.kind == "endpoint" and "within the 1 s deadline" in str(e.value)
+    # the server takes the retry once it has seen the first trickle's client hang up, which on a
+    # loaded machine may be after the retry's own deadline: its count is waited for
+    deadline = time.monotonic() + 60
+    while len(served) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(served) == 2
+
+
+def test_endpoint_answers_are_bounded_in_size_redirects_and_nesting():
+    from tools.endpoint import ChatEndpoint
+
+    def ask(answer, **kw):
+        url, served = raw_server(lambda conn: conn.sendall(answer))
+        ep = ChatEndpoint(url, "m", 1.0, 1.0, 8, timeout_s=5, retries=1, **kw)
+        try:
+            return ep.chat([{"role": "user", "content": "hi"}]), served
+        except ev.EnvError as e:
+            return e, served
+
+    # a 3 KB answer: too long for 2 KB, fine for 4 KB
+    big = chat_answer(right_answer(pad=3000))
+    e, served = ask(big, max_answer_bytes=2048)
+    assert e.kind == "endpoint" and "answer over 2048 bytes" in str(e) and len(served) == 2
+    assert ask(big, max_answer_bytes=4096)[0].startswith("Action: right")
+    # a redirect is the endpoint's error, not followed and not retried
+    target, reached = raw_server(lambda conn: conn.sendall(chat_answer(right_answer())))
+    e, served = ask(chat_answer(b"", "302 Found", f"Location: {target}/chat/completions\r\n"))
+    assert (e.kind, e.status) == ("endpoint", 302) and "redirect" in str(e)
+    assert len(served) == 1 and reached == []
+    # JSON nested deeper than the parser's stack: a malformed answer, not a RecursionError
+    e, served = ask(chat_answer(b"[" * 100_000))
+    assert e.kind == "endpoint" and "malformed answer (RecursionError" in str(e)
+
+
+def test_endpoint_answering_too_deep_counts_as_errors_in_eval(tmp_path, corridor_url):
+    url, served = raw_server(lambda conn: conn.sendall(chat_answer(b"[" * 100_000)))
+    res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url, "--endpoint", url,
+                                 "--endpoint-model", "fake", "--limit", "2", "--n", "1",
+                                 "--endpoint-retries", "0", "--out", str(tmp_path / "ep.json")]))
+    assert res["excluded"] == {"env_error": 0, "endpoint_error": 2} and len(served) == 2
+    assert res["overall"]["samples"] == 0  # left out, not scored 0
+
+
+def test_endpoint_address_and_answer_size_flags_are_checked(capsys):
+    for argv, needle in [(["--endpoint", "host:8000/v1"], "--endpoint: bad endpoint address"),
+                         (["--endpoint", "http://h:99999/v1"], "Port out of range"),
+                         (["--endpoint", "http://h/v1", "--endpoint-max-answer-kb", "0"],
+                          "--endpoint-max-answer-kb must be at least 1")]:
+        with pytest.raises(SystemExit):
+            ev.parse_args(["--env", "corridor", "--endpoint-model", "m", *argv])
+        assert needle in capsys.readouterr().err
+
+
+def test_a_seed_past_64_bits_is_refused_in_one_line(capsys):
+    """torch's generators take no more: once a traceback, after the server had started."""
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args(["--env", "corridor", "--seed", str(2 ** 64)])
+    assert e.value.code == 2 and "--seed 18446744073709551616: a seed must fit in 64 bits" in \
+        capsys.readouterr().err
+    assert ev.parse_args(["--env", "corridor", "--seed", str(2 ** 64 - 1)]).seed == 2 ** 64 - 1
 
 
 def fake_run(folder, **settings):
@@ -441,6 +586,20 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
     # the last chunk sampled from its own seed, as in the uncut run
     assert rows("cut") == rows("whole")
     assert not os.path.exists(eval_outputs.partial_path(out))
+
+
+def test_an_out_without_a_folder_part_is_written_in_the_working_folder(tmp_path, corridor_url,
+                                                                        monkeypatch):
+    """`--out x.json` (and the default without --checkpoint) once played every episode, then
+    failed making the folder "" of x.rollouts.jsonl."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--env", "corridor", "--env-addr", corridor_url, "--limit", "2", "--n", "1",
+            "--max-turns", "2", "--max-new-tokens", "4", "--threads", "1",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert ev.parse_args(args).out == "eval_corridor_test.json"  # the default: no folder part
+    res = ev.main(ev.parse_args([*args, "--out", "x.json"]))
+    assert res["n_scored"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["cache", "x.json", "x.rollouts.jsonl"]
 
 
 def test_compare_pools_the_results_on_each_side(tmp_path):

@@ -1,13 +1,19 @@
 """Each extension point is one registration, made here from a test file, without touching train.py:
 an advantage estimator, an environment, an agent scheme, a horizon schedule. A half-registered game
-and an unknown name are refused with one message."""
+and an unknown name are refused with one message. docs/extending.md's game, as written there,
+trains from a script of one's own."""
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from toy_env import CounterEnv
+
+from conftest import ROOT
 
 from env_server import agents
 import algos
@@ -137,3 +143,39 @@ def test_a_new_horizon_schedule(tmp_path, cache_dir, monkeypatch):
     with pytest.raises(ValueError, match="unknown schedule kind 'nope'; "
                                          "registered: plateau, shrinking, step"):
         scheduler.make_schedule("2,3", 1, "nope")
+
+
+def doc_block(page: str, needle: str) -> str:
+    """The fenced Python block of docs/PAGE that holds `needle`, as written there."""
+    with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+    found = [b for b in blocks if needle in b]
+    assert len(found) == 1, f"docs/{page}: {len(found)} python blocks hold {needle!r}"
+    return found[0]
+
+
+def test_the_docs_game_trains_from_a_script_of_ones_own(tmp_path, cache_dir):
+    """docs/extending.md's MyGame, exec'd as written in a script that then calls train.main: the
+    game is registered in that process only, so train.py serves it on a thread there (a `python -m
+    env_server` child would not know it); the untrained policy's malformed actions are
+    observations, not env errors, so both steps train and the held-out evaluation scores its one
+    test task."""
+    script = tmp_path / "mygame_train.py"
+    script.write_text(doc_block("extending.md", "class MyGame") +
+                      "\nimport sys\nimport train\ntrain.main(train.parse_args(sys.argv[1:]))\n")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), *TINY, "--env", "mygame", "--steps", "2",
+                        "--schedule", "3", "--eval-every", "2", "--out", str(out),
+                        "--cache-dir", cache_dir], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--env mygame is registered by this script" in r.stderr and "Traceback" not in r.stderr
+    with open(out / "metrics.jsonl") as f:
+        m = [json.loads(x) for x in f]
+    assert [x["step"] for x in m] == [1, 2]
+    assert all(x["status_env_error"] == 0 and "loss" in x for x in m), m
+    rows = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]
+    assert any("Invalid action" in msg["content"] for row in rows for msg in row["messages"])
+    with open(out / "eval.jsonl") as f:
+        evals = [json.loads(x) for x in f]
+    assert [(e["step"], e["tasks"]) for e in evals] == [(0, 1), (2, 1)]

@@ -19,10 +19,12 @@ from rollout import Reply, RolloutConfig, Trajectory, build_batch, rollout, turn
 EPS = 1e-6  # GRPO's eps, which GiGPO's two levels share
 
 
-def gigpo(turn_ids, scores, groups, keys, turn_rewards=None, gamma=0.5, w=1.0, norm_std=True):
+def gigpo(turn_ids, scores, groups, keys, turn_rewards=None, gamma=0.5, w=1.0, norm_std=True,
+          episode_stat="trajectory"):
     tid = torch.tensor(turn_ids)
     return algos.gigpo_advantages(torch.tensor(scores), torch.tensor(groups), tid >= 0, tid, keys,
-                                  turn_rewards, gamma, w, norm_std=norm_std)
+                                  turn_rewards, gamma, w, norm_std=norm_std,
+                                  episode_stat=episode_stat)
 
 
 def run_estimator(name, turn_ids, scores, groups, keys, turn_rewards=None, gamma=0.95, w=1.0):
@@ -107,6 +109,58 @@ def test_gigpo_per_turn_rewards_and_mean_only_by_hand():
     assert_close(adv[0, 1], torch.tensor(0.625))
 
 
+def test_the_episode_statistic_over_trajectories_or_over_step_rows_by_hand():
+    """Departure 10. One group: row 0 scores 1 in 1 turn, row 1 scores 0 in 3 turns; the step
+    level off (w 0), so only the episode level is seen, on every sampled token of its row."""
+    turn_ids = [[-1, 0, 0, -1, -1, -1, -1], [-1, 0, -1, 1, -1, 2, 2]]
+    args = (turn_ids, [1.0, 0.0], [5, 5], [["S"], ["S", "X", "Y"]])
+    m = torch.tensor(turn_ids) >= 0
+
+    def on_tokens(a0, a1):
+        return torch.tensor([[a0], [a1]]) * m
+
+    # Mean only. Over trajectories (Eq. 3): scores 1, 0, mean 1/2 -> +0.5, -0.5. Over step rows
+    # (verl-agent): 1, 0, 0, 0, mean 1/4 -> +0.75, -0.25.
+    assert_close(gigpo(*args, w=0.0, norm_std=False), on_tokens(0.5, -0.5))
+    assert_close(gigpo(*args, w=0.0, norm_std=False, episode_stat="step"), on_tokens(0.75, -0.25))
+    # With the std. Trajectories: std sqrt(1/2) -> +-0.5 / (sqrt(1/2) + eps). Step rows: unbiased
+    # var (0.75^2 + 3 * 0.25^2) / 3 = 1/4, std 1/2 -> 0.75 / 0.5 = 1.5 and -0.25 / 0.5 = -0.5.
+    e = 0.5 / (math.sqrt(0.5) + EPS)
+    assert_close(gigpo(*args, w=0.0), on_tokens(e, -e))
+    assert_close(gigpo(*args, w=0.0, episode_stat="step"),
+                 on_tokens(0.75 / (0.5 + EPS), -0.25 / (0.5 + EPS)))
+    # A group of one row: its raw score over trajectories (departure 4); over step rows a 3-turn
+    # row is a group of 3 equal rows (std 0) -> 0, a 1-turn row a group of one -> its raw score.
+    alone = ([turn_ids[1]], [2.0], [5], [["S", "X", "Y"]])
+    assert_close(gigpo(*alone, w=0.0), torch.tensor([[2.0 / (1 + EPS)]]) * m[1:])
+    assert_close(gigpo(*alone, w=0.0, episode_stat="step"), torch.zeros(1, 7))
+    one = ([turn_ids[0]], [2.0], [5], [["S"]])
+    assert_close(gigpo(*one, w=0.0, episode_stat="step"), torch.tensor([[2.0 / (1 + EPS)]]) * m[:1])
+    # The step level is the same either way: the shared first state S, G 1 and 0 (gamma 0.5: row
+    # 1's G at turn 0 is 0.25 * 0), mean only -> +-0.5 on each row's turn 0.
+    step = gigpo(*args, norm_std=False) - gigpo(*args, w=0.0, norm_std=False)
+    assert_close(step, gigpo(*args, norm_std=False, episode_stat="step")
+                 - gigpo(*args, w=0.0, norm_std=False, episode_stat="step"))
+    assert_close(step, torch.tensor([[0, 0.5, 0.5, 0, 0, 0, 0], [0, -0.5, 0, 0, 0, 0, 0]]))
+    with pytest.raises(AssertionError, match="episode_stat 'turn': trajectory|step"):
+        gigpo(*args, episode_stat="turn")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_equal_turn_counts_make_the_two_episode_means_equal(seed):
+    """Every row with k turns: each counts k times over step rows, so the group mean is the same;
+    mean only, the two statistics agree (with the std they do not: n k - 1 against n - 1)."""
+    rng = random.Random(seed)
+    k, B = rng.randint(1, 4), rng.randint(4, 8)
+    turn_ids = [random_layout(rng, k) for _ in range(B)]
+    T = max(map(len, turn_ids))
+    turn_ids = [r + [-1] * (T - len(r)) for r in turn_ids]
+    keys = [[rng.choice("ab") for _ in range(k)] for _ in range(B)]
+    scores, groups = [rng.uniform(-1, 2) for _ in range(B)], [b % 2 for b in range(B)]  # of 2+
+    args = (turn_ids, scores, groups, keys)
+    assert_close(gigpo(*args, norm_std=False), gigpo(*args, norm_std=False, episode_stat="step"))
+
+
 # ----------------------------------------------------------------------------- equals GRPO
 def random_layout(rng: random.Random, n_turns: int) -> list[int]:
     """Turn ids of a row: a prompt, then each turn's sampled tokens and an observation after it."""
@@ -152,8 +206,10 @@ def test_step_adv_weight_zero_is_grpo(seed):
 
 
 # --------------------------------------------------------------------------- naive loop
-def naive_gigpo(turn_ids, scores, groups, keys, turn_rewards, gamma, w, norm_std):
-    """The paper's formulas, one number at a time, in float64."""
+def naive_gigpo(turn_ids, scores, groups, keys, turn_rewards, gamma, w, norm_std,
+                episode_stat="trajectory"):
+    """The paper's formulas, one number at a time, in float64; episode_stat "step": the episode
+    level's statistic over one copy of each row per turn, as verl-agent's step rows."""
     def normalise(values):  # GRPO's: mean 0 and std 1 for a group of one (the episode level's rule)
         if len(values) < 2:
             return [v / (1 + EPS) if norm_std else v for v in values]
@@ -164,6 +220,8 @@ def naive_gigpo(turn_ids, scores, groups, keys, turn_rewards, gamma, w, norm_std
     episode = [0.0] * B
     for g in set(groups):
         rows = [b for b in range(B) if groups[b] == g]
+        if episode_stat == "step":  # a row without a turn has no token to carry its value
+            rows = [b for b in rows for _ in keys[b]]
         for b, a in zip(rows, normalise([scores[b] for b in rows])):
             episode[b] = a
     returns = []
@@ -184,15 +242,16 @@ def naive_gigpo(turn_ids, scores, groups, keys, turn_rewards, gamma, w, norm_std
             for b, row in enumerate(turn_ids)]
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(60))  # seeds 30-59 with the episode statistic over turns
 def test_gigpo_matches_a_naive_loop(seed):
     rng = random.Random(seed)
     alphabet = "ab" if seed % 2 else "abcd"  # many repeated states, or fewer
     turn_ids, scores, groups, keys, turn_rewards = random_batch(rng, alphabet)
     rewards = turn_rewards if seed % 3 else None
     gamma, w, norm_std = rng.choice([1.0, 0.95, 0.5]), rng.choice([1.0, 0.5, 2.0]), seed % 4 != 1
-    adv = gigpo(turn_ids, scores, groups, keys, rewards, gamma, w, norm_std)
-    expected = naive_gigpo(turn_ids, scores, groups, keys, rewards, gamma, w, norm_std)
+    stat = ("trajectory", "step")[seed // 30]
+    adv = gigpo(turn_ids, scores, groups, keys, rewards, gamma, w, norm_std, stat)
+    expected = naive_gigpo(turn_ids, scores, groups, keys, rewards, gamma, w, norm_std, stat)
     assert_close(adv, torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=1e-5)
 
 

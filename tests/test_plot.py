@@ -153,9 +153,11 @@ def test_the_update_kl_panel_draws_the_runs_guard_once(tmp_path):
     assert len(flat) == 1 and flat[0].get_ydata()[0] == 0.01 and flat[0].get_linestyle() == "--"
 
 
-def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
+def test_the_default_image_of_several_runs_goes_to_the_current_folder(tmp_path):
+    """Once it went to the first run's folder, over that run's own curves.png."""
     write_run(tmp_path / "a", [2] * 4, "2")
     write_run(tmp_path / "b", [2] * 4, "2")
+    (tmp_path / "a" / "curves.png").write_bytes(b"a's own")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     res = subprocess.run([sys.executable, "-m", "tools.plot", str(tmp_path / "a"),
@@ -163,9 +165,13 @@ def test_the_default_image_goes_into_the_first_runs_folder(tmp_path):
                          cwd=elsewhere, env={**os.environ, "PYTHONPATH": ROOT},
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert ((tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG"
-            and not os.listdir(elsewhere))
-    assert f"wrote {tmp_path / 'a' / 'curves.png'}" in res.stdout
+    assert (elsewhere / "curves_a_vs_b.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "a" / "curves.png").read_bytes() == b"a's own"
+    assert "wrote curves_a_vs_b.png (several runs: in the current folder" in res.stdout
+    # one run: beside its metrics; many: named after the first
+    assert plot.default_out([str(tmp_path / "a")]) == str(tmp_path / "a" / "curves.png")
+    assert plot.default_out([f"runs/r{i:02d}_{'x' * 20}" for i in range(9)]) == \
+        f"curves_r00_{'x' * 20}_and_8_more.png"
 
 
 def test_changes_of_eval_results_make_a_png_and_bad_input_names_itself(tmp_path):

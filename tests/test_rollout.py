@@ -172,6 +172,33 @@ def test_statuses_and_env_errors(textcraft_url):
             and trajs[1].token_ids == [])
 
 
+def test_outcomes_leave_env_errors_out_of_the_rates():
+    """An env error is no outcome of the policy's: rollout.outcomes (training's metrics, eval.py)
+    counts it among the statuses and as an env error, and leaves it out of every rate. By hand,
+    over the three episodes without one: 2 of 3 succeed, in 3 and 5 turns; 1 of 3 opens with a
+    guess (the env error's guess is not counted)."""
+    from env_server.agents import GUESS_THOUGHT, opening_messages, react_reply
+    from rollout import Trajectory, outcomes
+
+    def episode(status, reward, turns, thought=None):
+        msgs = opening_messages("corridor", "You are at 3.") + [
+            {"role": "assistant", "content": react_reply("corridor", "left", thought)}]
+        return Trajectory("corridor", 0, 0, msgs, [], [], [], turns=turns, status=status,
+                          reward=reward)
+
+    trajs = [episode("done", 1.0, 3, GUESS_THOUGHT), episode("env_error", 0.0, 2, GUESS_THOUGHT),
+             episode("done", 1.0, 5), episode("max_turns", 0.0, 8)]
+    o = outcomes(trajs)
+    assert o["episodes"] == 3 and o["env_errors"] == 1
+    assert o["success_rate"] == pytest.approx(2 / 3) and o["reward_mean"] == pytest.approx(2 / 3)
+    assert o["turns_mean"] == pytest.approx((3 + 5 + 8) / 3) and o["turns_per_success"] == 4.0
+    assert o["guess_share"] == pytest.approx(1 / 3)
+    assert o["statuses"] == {"done": 2, "max_turns": 1, "context_limit": 0, "env_error": 1}
+    # nothing but env errors: rates of 0 over no episode, not a division by 0
+    none = outcomes([episode("env_error", 0.0, 1)])
+    assert none["episodes"] == 0 and none["success_rate"] == 0.0 and none["env_errors"] == 1
+
+
 def test_expert_replies_finish_with_reward(textcraft_url):
     tok = real_tokenizer("qwen2.5-instruct")
     env = TextCraftEnv(TextCraftEnv.load_world(None))
@@ -315,3 +342,19 @@ def test_rewards_are_read_on_the_trainers_scale(env, value, reward):
     """SciWorld's server scores 0-100, as AgentGym's: the trajectory holds the score / 100."""
     t, = rollout(SayAction(), OneStepPool(value), env, [0], [0], RolloutConfig(max_turns=2))
     assert (t.status, t.reward, is_success(t)) == ("done", reward, reward > 0)
+
+
+def test_a_huge_observation_is_cut_to_the_context_budget_before_it_is_tokenized():
+    """1 MB of observation with 200 tokens of room: cut to what 200 tokens could hold (200 x
+    CHARS_PER_TOKEN characters) and marked, so that it is never tokenized, logged or sent whole."""
+    from rollout import CHARS_PER_TOKEN, Trajectory, _cut_observation
+
+    t = Trajectory("corridor", 0, 0, [{"role": "user", "content": "x" * 2**20}],
+                   list(range(56)), [0] * 56, [0.0] * 56)
+    _cut_observation(t, RolloutConfig(max_context=256))
+    text = t.messages[-1]["content"]
+    assert text.startswith("x" * (200 * CHARS_PER_TOKEN) + " [... ")
+    assert len(text) < 200 * CHARS_PER_TOKEN + 60 and "characters cut]" in text
+    t.messages[-1]["content"] = "short"  # what fits is left alone
+    _cut_observation(t, RolloutConfig(max_context=256))
+    assert t.messages[-1]["content"] == "short"

@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from scheduler import FixedHorizon, StepwiseHorizon, make_schedule, stage_bounds
+from scheduler import FixedHorizon, StepwiseHorizon, make_schedule, stage_bounds, stage_steps
 from trainer.plateau import PlateauHorizon
 
 
@@ -35,6 +35,21 @@ def test_stepwise_every_boundary():
 def test_decreasing_rounds_allowed():
     s = make_schedule("30,20,10", every=2)
     assert [s.max_turns(k) for k in range(1, 7)] == [30, 30, 20, 20, 10, 10]
+
+
+def test_stage_steps_share_the_steps_rounding_up():
+    """Without --schedule-every the stages share --steps evenly, rounded up: every stage but the
+    last gets the same length, and the last is never longer than the others (rounded down, 16
+    steps over 3 stages would be 5, 5 and 6: the longest horizon would get the most steps)."""
+    assert stage_steps("10,20,30", 15) == 5  # 1-5, 6-10, 11-15
+    assert stage_steps("10,20,30", 16) == 6  # 1-6, 7-12, 13-16
+    assert stage_steps("2,4,8", 40) == 14  # 1-14, 15-28, 29-40
+    assert stage_steps("10,20", 3) == 2
+    assert stage_steps("10,20,30", 2) == 1  # at least one step a stage
+    assert stage_steps("15", 7) == 7  # one stage: all of them
+    assert stage_steps("10,20,30", 16, every=4) == 4  # --schedule-every wins
+    s = StepwiseHorizon([10, 20, 30], stage_steps("10,20,30", 16))
+    assert stage_bounds(s, 16) == [(1, 6, 10), (7, 12, 20), (13, 16, 30)]
 
 
 def test_make_schedule_forms():

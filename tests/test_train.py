@@ -13,6 +13,7 @@ from conftest import ROOT, train_update
 
 import models.builtin as models
 from models import policy
+import algos
 import train
 from trainer import run as run_layer
 from trainer.update import update_run
@@ -147,31 +148,31 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
 
 def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():
     for steps in (1, 2, 15):
-        assert [run_layer.lr_at(s, steps, "none") for s in range(1, steps + 1)] == [1.0] * steps
+        assert [train.lr_at(s, steps, "none") for s in range(1, steps + 1)] == [1.0] * steps
         for decay in ("linear", "cosine"):
-            shares = [run_layer.lr_at(s, steps, decay) for s in range(1, steps + 1)]
+            shares = [train.lr_at(s, steps, decay) for s in range(1, steps + 1)]
             assert shares[0] == 1.0 and shares[-1] == pytest.approx(1 / steps)
             assert all(a > b for a, b in zip(shares, shares[1:]))
     # the cosine holds the rate higher early and lower late than the straight line
-    assert run_layer.lr_at(4, 15, "cosine") > run_layer.lr_at(4, 15, "linear")
-    assert run_layer.lr_at(12, 15, "cosine") < run_layer.lr_at(12, 15, "linear")
+    assert train.lr_at(4, 15, "cosine") > train.lr_at(4, 15, "linear")
+    assert train.lr_at(12, 15, "cosine") < train.lr_at(12, 15, "linear")
     cfg = train.config.Config(lr=1e-3, critic_lr=1e-4, steps=4, lr_decay="linear")
     optims = {name: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
               for name in ("policy", "critic")}
-    assert (run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3)
+    assert (train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=1.0), 3)
             == pytest.approx(5e-4))
     assert optims["critic"].param_groups[0]["lr"] == pytest.approx(5e-5)
     # the --max-update-kl guard's scale multiplies it
-    assert (run_layer.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3)
+    assert (train.set_lr(SimpleNamespace(cfg=cfg, optims=optims, lr_scale=0.5), 3)
             == pytest.approx(2.5e-4))
 
 
 def test_warmup_rises_to_the_rate_then_follows_the_decay():
-    assert ([run_layer.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)]
+    assert ([train.lr_at(s, 10, "none", warmup=3) for s in range(1, 6)]
             == [0.25, 0.5, 0.75, 1.0, 1.0])
-    assert (run_layer.lr_at(2, 10, "cosine", warmup=3)
-            == pytest.approx(0.5 * run_layer.lr_at(2, 10, "cosine")))
-    assert [run_layer.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
+    assert (train.lr_at(2, 10, "cosine", warmup=3)
+            == pytest.approx(0.5 * train.lr_at(2, 10, "cosine")))
+    assert [train.lr_at(s, 4, "none", warmup=0) for s in range(1, 5)] == [1.0] * 4
 
 
 def test_uses_a_running_env_server(tmp_path, cache_dir):
@@ -276,7 +277,7 @@ def test_masked_logprobs_equal_the_full_forward():
     mask[0, 3] = 1
     full_lp, full_ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True)
     lp, ent = policy.token_logprobs(model, mb, 0.7, with_entropy=True, mask=mask)
-    assert policy._head_split_ok(model)
+    assert algos.head_split_ok(model)
     m = mask.bool()
     assert (torch.allclose(lp[m], full_lp[m], atol=1e-5)
             and torch.allclose(ent[m], full_ent[m], atol=1e-5))
@@ -376,3 +377,18 @@ def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, m
         torch.set_num_threads(before)
     cores = os.cpu_count() or 1
     assert seen == [("rollout", max(1, cores - 1)), ("update", cores)] * 2
+
+
+def test_by_default_a_checkpoint_every_5_steps_and_at_the_end(tmp_path, cache_dir, monkeypatch):
+    """The default --save-every 5: a run killed outright (no exception to catch) loses at most 4
+    steps; the tiny model's checkpoint costs about 0.1 s (docs/reliability.md)."""
+    saved, real_save = [], run_layer.save
+    monkeypatch.setattr(run_layer, "save", lambda run, step, snap: (saved.append(step),
+                                                                    real_save(run, step, snap)))
+    before = torch.get_num_threads()
+    try:
+        train.main(train.parse_args([*TINY, "--steps", "6", "--schedule", "2",
+                                     "--out", str(tmp_path / "run"), "--cache-dir", cache_dir]))
+    finally:
+        torch.set_num_threads(before)
+    assert saved == [5, 6]

@@ -16,7 +16,6 @@ import torch
 from conftest import ROOT
 
 import train
-from trainer import run as run_layer
 from rollout import Trajectory
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4",
@@ -75,14 +74,14 @@ def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
 def test_the_guard_halves_the_learning_rate_after_a_step_that_moved_too_far(capsys):
     run = SimpleNamespace(cfg=SimpleNamespace(max_update_kl=0.01), lr_scale=1.0)
     m = {"update_kl": 0.005}
-    run_layer.guard(run, 1, m)
+    train.guard(run, 1, m)
     assert run.lr_scale == 1.0 and m["lr_scale"] == 1.0
     m = {"update_kl": 0.02}
-    run_layer.guard(run, 2, m)
+    train.guard(run, 2, m)
     assert (run.lr_scale == 0.5 and m["lr_scale"] == 0.5
             and "learning rate halved" in capsys.readouterr().out)
     run.cfg.max_update_kl = 0.0  # off
-    run_layer.guard(run, 3, {"update_kl": 9.0})
+    train.guard(run, 3, {"update_kl": 9.0})
     assert run.lr_scale == 0.5
 
 
@@ -107,11 +106,11 @@ def test_dynamic_sampling_replaces_tied_groups_within_its_bound():
 
     first = [traj(0, 1.0), traj(0, 1.0), traj(1, 0.0), traj(1, 1.0), traj(2, 0.0), traj(2, 0.0),
              traj(3, 1.0), traj(3, 0.0)]  # groups 1 and 3 informative
-    kept, extra = run_layer.resample(run, first, play_groups)
+    kept, extra = train.resample(run, first, play_groups)
     # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
     assert played == [[4, 5], [6]]
     assert {t.group for t in kept} == {1, 3, 5} and {t.group for t in extra} == {4, 5, 6}
-    assert run_layer.informative_groups(kept) == {1, 3, 5}
+    assert train.informative_groups(kept) == {1, 3, 5}
 
 
 def test_dynamic_sampling_stops_after_max_resample_rounds():
@@ -124,7 +123,7 @@ def test_dynamic_sampling_stops_after_max_resample_rounds():
         rounds.append(len(set(groups)))
         return [traj(g, 0.0, item) for item, g in zip(item_ids, groups)]
 
-    kept, extra = run_layer.resample(run, [traj(0, 0.0), traj(0, 1.0)]
+    kept, extra = train.resample(run, [traj(0, 0.0), traj(0, 1.0)]
                                      + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)], all_tied)
     assert rounds == [3, 3, 3] and {t.group for t in kept} == {0} and len(extra) == 18
 
@@ -146,11 +145,11 @@ def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
 
     first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9),
              traj(2, 0.0, 9)]
-    kept, extra = run_layer.resample(run, first, play_groups)
+    kept, extra = train.resample(run, first, play_groups)
     assert played == [[(7, 1), (7, 1), (9, 2), (9, 2)], [(9, 2), (9, 2)]]
     # group 1 grew to 4 and trains; group 2 stays out
     assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]
-    assert len(extra) == 6 and run_layer.informative_groups(kept) == {0, 1}
+    assert len(extra) == 6 and train.informative_groups(kept) == {0, 1}
     with pytest.raises(SystemExit):  # extend is a kind of dynamic sampling
         train.parse_args(["--env", "corridor", "--no-dynamic-sampling", "--resample", "extend"])
     assert "--resample extend is a kind of dynamic sampling" in capsys.readouterr().err

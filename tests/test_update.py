@@ -173,3 +173,60 @@ def test_the_trainer_scores_sampled_tokens_at_the_sampling_temperature(temperatu
             untempered = policy.token_logprobs(model, mb, 1.0)[0][0, len(p) - 1:]
         assert torch.allclose(lp, torch.tensor(s.logprobs), atol=1e-4)
         assert (untempered - torch.tensor(s.logprobs)).abs().max() > 1e-2
+
+
+def hand_row(ids, mask, reward, group) -> "Trajectory":
+    """One finished trajectory of the given ids and loss mask (sampler log-probs 0)."""
+    from rollout import Trajectory
+    return Trajectory("corridor", group, group, [], list(ids), list(mask), [0.0] * len(ids),
+                      turns=1, status="done", reward=reward)
+
+
+def test_the_last_partial_mini_batch_is_trained_on():
+    """3 trajectories, --mini-batch-size 2, 2 epochs: each epoch makes ceil(3 / 2) = 2 optimizer
+    steps, the second on the one row left over, so every row is forwarded once an epoch. By hand:
+    rows of 7, 9 and 12 tokens (every one with an advantage: no row is idle) -> 4 optimizer steps
+    and 2 x 28 = 56 tokens trained on (dropping the partial mini-batch: 2 steps, at most 42)."""
+    torch.manual_seed(0)
+    model = build_model(vocab_size=50, layers=1, hidden=16, heads=2)
+    trajs = [hand_row(range(1, 8), [0, 0, 0, 1, 1, 1, 1], 1.0, 0),
+             hand_row(range(1, 10), [0, 0, 0, 1, 1, 0, 0, 1, 1], 0.0, 0),
+             hand_row(range(1, 13), [0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], 1.0, 1)]
+    run = tiny_run(["--mini-batch-size", "2", "--ppo-epochs", "2", "--kl-coef", "0",
+                    "--entropy-coef", "0"], model, lr=0.01)
+    steps = []
+    run.optims["policy"].register_step_post_hook(lambda *_: steps.append(1))
+    m = train_update(run, trajs)
+    assert len(steps) == 4 and m["idle_rows"] == 0
+    assert m["train_tokens"] == 2 * (7 + 9 + 12)
+
+
+class LastTokenCritic(torch.nn.Module):
+    """A stand-in critic: the value of each prefix is its last token's id / 10, so which token's
+    value sits at which position can be read off."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return input_ids.float() * self.scale
+
+
+def test_the_critics_values_sit_where_the_logits_that_sampled_the_token_are():
+    """train.advantages with a critic (PPO): position t of the (B, T-1) tensors holds token t+1's
+    mask and V(tokens 0..t), the prefix that token was sampled from; a value read one token late
+    leaks the sampled token into its own baseline. By hand, ids 3 5 7 9 11 13, sampled 7 9 and 13
+    (11 an observation), outcome 1: V = 0.3 0.5 0.7 0.9 1.1; GAE with gamma 1 and lambda 0 on the
+    sampled positions 1, 2, 4: returns r + V(next sampled) = 0.7, 1.1 (the observation skipped),
+    1.0; advantages returns - V = 0.2, 0.4, -0.1, whitened."""
+    torch.manual_seed(0)
+    model = build_model(vocab_size=50, layers=1, hidden=16, heads=2)
+    run = tiny_run(["--algo", "ppo", "--gamma", "1", "--lam", "0"], model,
+                   critic=LastTokenCritic())
+    rows = train.Rows(run, [hand_row([3, 5, 7, 9, 11, 13], [0, 0, 1, 1, 0, 1], 1.0, 0)])
+    adv, returns, values = train.advantages(run, rows)
+    assert torch.allclose(values, torch.tensor([[0.3, 0.5, 0.7, 0.9, 1.1]]))
+    assert torch.allclose(returns, torch.tensor([[0.0, 0.7, 1.1, 0.0, 1.0]]))
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.132453, 0.927173, 0.0, -1.059626]]),
+                          atol=1e-5)

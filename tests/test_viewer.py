@@ -249,6 +249,64 @@ def test_numbers_are_shown_rounded(tmp_path):
             == ["0.0156", "2", "3", "12346", "", "a"])
 
 
+ODD = [float("nan"), float("inf"), "x", None, [1], {"a": 1}, True]  # where a number belongs
+
+
+def test_odd_metric_and_token_values_render(tmp_path):
+    """Logs are JSON anyone may write: each odd value once made a page a 500 (a step that is no
+    number, in metrics.jsonl or eval.jsonl; a byte that is not UTF-8; an id the tokenizer cannot
+    decode). Now rows without a numeric step are left out and odd values are shown as they are."""
+    run = tmp_path / "run"
+    odd_tokens = [float("nan"), "x", None, 10 ** 12, -1, 2.0]
+    trajs = [trajectory(7, 0, v) for v in ODD] + [
+        {**trajectory(8, 1, 1.0), "turns": "two", "max_turns": None},
+        {**trajectory(8, 1, 0.0), "token_ids": [1, *odd_tokens, 3],
+         "logprobs": ["a", None, float("nan"), 0, 0, 0, 0, -0.5]}]
+    write_run(run, {1: trajs})
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, v in [(1, 0.5), ("x", 0.5), ([1], 0.5), (None, 0.5), (2, float("nan")),
+                        (3, "x"), (4, None), (5, float("inf")), (6, [1]), (7, 0.25)]:
+            f.write(json.dumps({"step": step, "max_turns": v, "success_rate": v, "reward_mean": v,
+                                "turns_mean": v, "update_kl": v}) + "\n")
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 8, "success_rate": "\xff"}\n')
+    with open(run / "eval.jsonl", "w") as f:
+        for step in ("x", 0, None, 1):
+            f.write(json.dumps({"step": step, "success_rate": "y" if step else float("nan"),
+                                "tasks": None}) + "\n")
+    vocab = make_tokenizer(run / "checkpoint" / "model", [])
+    c = viewer.create_app([str(run)]).test_client()
+    for url in ["/", "/run/0", "/run/0/step/1", "/run/0/step/1?reward_min=0&reward_max=1",
+                *[f"/run/0/step/1/traj/{n}" for n in range(1, len(trajs) + 1)],
+                "/run/0/step/1/compare?a=1&b=2"]:
+        assert c.get(url).status_code == 200, url
+    html = c.get("/run/0").get_data(as_text=True)
+    # four curves, update KL and the held-out one; no NaN or infinity among the points
+    assert html.count("<svg") == 6 and "nan," not in html and "inf," not in html
+    tokens = c.get(f"/run/0/step/1/traj/{len(trajs)}").get_data(as_text=True)
+    shown = [f">[{v}]</span>" for v in ("nan", "x", "None", 10 ** 12, -1, 2.0)]
+    assert all(x in tokens for x in shown), tokens  # ids the tokenizer cannot decode
+    assert f'id 1 mask 0 logprob a">{list(vocab)[1]}</span>' in tokens  # the others decoded
+    assert viewer.real(1) and viewer.real(0.5) and not any(map(viewer.real, ODD[:1] + ODD[2:]))
+
+
+def test_a_run_that_cannot_be_read_is_an_error_row_and_the_others_list(tmp_path, monkeypatch):
+    good = write_run(tmp_path / "good", {1: [trajectory(1, 0, 1.0)]})
+    bad = write_run(tmp_path / "bad", {1: [trajectory(1, 0, 1.0)]})
+    real_files = viewer.step_files
+
+    def step_files(d):
+        if d == str(bad):
+            raise PermissionError(13, "Permission denied", d + "/rollouts")
+        return real_files(d)
+
+    monkeypatch.setattr(viewer, "step_files", step_files)
+    r = viewer.create_app([str(bad), str(good)]).test_client().get("/")
+    html = r.get_data(as_text=True)
+    assert r.status_code == 200 and 'href="/run/1"' in html and "<td>1</td>" in html
+    assert "cannot read: PermissionError: [Errno 13] Permission denied" in html
+
+
 # --------------------------------------------------------------------------------------------------
 # The real browser.
 

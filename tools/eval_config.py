@@ -8,7 +8,7 @@ import dataclasses
 import os
 
 from env_server.agents import SCHEMES
-from tools import eval_outputs, paired, run_settings
+from tools import endpoint, eval_outputs, paired, run_settings
 from trainer import cli
 
 arg = cli.arg  # a flag: its default, its help in -h
@@ -23,12 +23,16 @@ class EvalConfig(cli.Shared):
                                  group='what to evaluate')
     limit: int | None = arg(None, "evaluate only the first N tasks of the split")
     # Policy: one of checkpoint, model, endpoint; none of them: the built-in tiny model
-    checkpoint: str | None = arg(None, "a training run folder: its model, played with the run's "
-                                       "env, agent, horizon and sampling unless flags say else")
+    checkpoint: str | None = arg(None, "a training run folder (or its checkpoint/): its model, "
+                                       "played with the run's env, agent, horizon and sampling "
+                                       "unless flags say else")
     endpoint: str | None = arg(None, "OpenAI-compatible base URL, e.g. http://host:8000/v1",
                                group='policy')
     endpoint_model: str | None = arg(None, "model name to send to the endpoint", group='policy')
-    endpoint_timeout_s: float = arg(120.0, "seconds per chat request", group='policy')
+    endpoint_timeout_s: float = arg(120.0, "seconds per chat request, its whole answer included",
+                                    group='policy')
+    endpoint_max_answer_kb: int = arg(512, "KiB a chat answer may hold; a longer one is the "
+                                           "request's error", group='policy')
     endpoint_retries: int = arg(2, "extra attempts per failed chat request (no game is touched)",
                                 group='policy')
     endpoint_workers: int = arg(16, "chat requests in flight at once", group='policy')
@@ -66,12 +70,17 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
         p.error("give at most one of --checkpoint, --model, --endpoint")
     if cfg.endpoint and not cfg.endpoint_model:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
+    if cfg.endpoint and (wrong := endpoint.address_error(cfg.endpoint)):
+        p.error(f"--endpoint: {wrong}")
     if cfg.checkpoint:
         run_settings.take(p, cfg)  # the run's env, horizon and sampling, where no flag is given
-    cli.check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch", "limit"))
+    cli.check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch", "limit",
+                                "endpoint_max_answer_kb"))
     cli.check_ranges(p, cfg, {"temperature": "[0, inf)", "top_p": "(0, 1]",
                               "vllm_kv_tokens": "[0, inf)", "endpoint_retries": "[0, inf)",
                               "endpoint_timeout_s": "(0, inf)", "endpoint_workers": "[1, inf)"})
+    if not -2 ** 63 <= cfg.seed < 2 ** 64:  # torch's generators take no more: a traceback, late
+        p.error(f"--seed {cfg.seed}: a seed must fit in 64 bits")
     cli.check_device(p, cfg.device)
     cli.check_env(p, cfg)
     cli.check_model(p, cfg.model)
@@ -82,7 +91,7 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
                   "to 1")
         cfg.n, cfg.temperature = 1, 0.0
     if cfg.out is None:
-        cfg.out = (os.path.join(cfg.checkpoint, f"eval_{cfg.split}.json") if cfg.checkpoint
-                   else f"eval_{cfg.env}_{cfg.split}.json")
+        cfg.out = (os.path.join(run_settings.run_folder(cfg.checkpoint), f"eval_{cfg.split}.json")
+                   if cfg.checkpoint else f"eval_{cfg.env}_{cfg.split}.json")
     eval_outputs.check_partial(p, cfg)  # a cut evaluation in OUT.partial.jsonl has these settings
     return cfg

@@ -1,7 +1,7 @@
-"""Two evaluations compared task by task: `eval.py --compare START,END` and `plot.py --compare` read
-them here. A side may pool several results (A.json+B.json); the change is the mean per-task
-difference with a 95% interval, overall and per category, and for 0/1 scores the paired counts and a
-sign test."""
+"""Two evaluations compared task by task: `eval.py --compare START,END` and
+`python -m tools.plot --compare` read them here. A side may pool several results (A.json+B.json);
+the change is the mean per-task difference with a 95% interval, overall and per category, and for
+0/1 scores the paired counts and a sign test."""
 
 from __future__ import annotations
 

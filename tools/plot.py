@@ -4,6 +4,9 @@ horizon stages shaded.
     python -m tools.plot runs/textcraft__grpo__0__A runs/textcraft__grpo__0__B --out curves.png
         --labels K=10,K=10-30
 
+Without --out, one run's curves go to RUN/curves.png, several runs' to curves_A_vs_B.png in the
+current folder (never into one of the runs).
+
 Reads RUN_DIR/metrics.jsonl (one line per step, as train.py writes it), RUN_DIR/eval.jsonl (the
 held-out evaluations, when present: a middle panel) and RUN_DIR/config.json (the label
 env/algo/schedule when --labels is absent). The turn horizon K of every step is read from the
@@ -288,8 +291,9 @@ def main(argv=None) -> None:
                    help="instead of runs: a held-out curve from eval.py results (each point may "
                         "pool results with +), bars the paired interval of the change from its "
                         "first point; repeat it for more lines")
-    p.add_argument("--out", default=None, help="image file to write (default: curves.png in the "
-                                               "first run's folder)")
+    p.add_argument("--out", default=None, help="image file to write (default: one run's "
+                                               "RUN/curves.png; several runs' "
+                                               "curves_A_vs_B.png in the current folder)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
     a = p.parse_args(argv)
@@ -313,12 +317,27 @@ def main(argv=None) -> None:
         p.error(f"{'--compare' if a.compare else '--curve'} needs --out: the image file to write")
     try:
         if a.runs:
-            out = plot(a.runs, a.out or os.path.join(a.runs[0], "curves.png"), a.smooth, labels)
+            out = plot(a.runs, a.out or default_out(a.runs), a.smooth, labels)
         else:
             out = (plot_changes if a.compare else plot_curves)(drawn, a.out, labels)
     except ValueError as e:
-        sys.exit(f"plot.py: {e}")
-    print(f"wrote {out}")
+        sys.exit(f"python -m tools.plot: {e}")
+    where = " (several runs: in the current folder; --out names another file)" \
+        if len(a.runs) > 1 and not a.out else ""
+    print(f"wrote {out}{where}")
+
+
+def default_out(run_dirs: list[str]) -> str:
+    """One run's curves go beside its metrics (RUN/curves.png). A comparison of several belongs to
+    none of them (it once overwrote the first run's own curves.png): it goes to the current folder,
+    named after the runs."""
+    if len(run_dirs) == 1:
+        return os.path.join(run_dirs[0], "curves.png")
+    names = [os.path.basename(os.path.abspath(d)) for d in run_dirs]
+    name = "_vs_".join(names)
+    if len(name) > 150:  # a file name has 255 bytes at most
+        name = f"{names[0]}_and_{len(names) - 1}_more"
+    return f"curves_{name}.png"
 
 
 if __name__ == "__main__":

@@ -32,13 +32,34 @@ def from_run(saved: dict) -> tuple[dict, dict]:
     return saved, skipped
 
 
+def checkpoint_model(folder: str) -> str | None:
+    """The model folder --checkpoint FOLDER names: a run's RUN/checkpoint/model (checkpoint.old's
+    after a crash between a save's two renames), or FOLDER/model where FOLDER is a checkpoint
+    itself (RUN/checkpoint); None where there is none."""
+    for model in (os.path.join(folder, name, "model") for name in ("checkpoint", "checkpoint.old")):
+        if os.path.isdir(model):
+            return model
+    model = os.path.join(folder, "model")
+    return model if os.path.isdir(model) else None
+
+
+def run_folder(folder: str) -> str:
+    """The training run --checkpoint FOLDER belongs to: FOLDER, or the folder holding it where
+    FOLDER is a checkpoint itself (its config.json, and the default --out, are the run's)."""
+    if checkpoint_model(folder) == os.path.join(folder, "model"):
+        return os.path.dirname(os.path.normpath(folder)) or "."
+    return folder
+
+
 def take(p, cfg) -> None:
-    """--checkpoint RUN: refused without RUN/checkpoint/model; RUN/config.json's RUN_SETTINGS set on
-    cfg where the command line did not give them (p.given), and named in one line."""
-    if not os.path.isdir(os.path.join(cfg.checkpoint, "checkpoint", "model")):
-        p.error(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected "
-                f"{cfg.checkpoint}/checkpoint/model)")
-    path = os.path.join(cfg.checkpoint, "config.json")
+    """--checkpoint RUN (or RUN/checkpoint): refused without a checkpoint model; RUN/config.json's
+    RUN_SETTINGS set on cfg where the command line did not give them (p.given), and named in one
+    line."""
+    if checkpoint_model(cfg.checkpoint) is None:
+        p.error(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected a run folder, with "
+                f"{cfg.checkpoint}/checkpoint/model, or a checkpoint folder, with "
+                f"{cfg.checkpoint}/model)")
+    path = os.path.join(run_folder(cfg.checkpoint), "config.json")
     if not os.path.exists(path):  # a model folder saved by hand: flags and defaults only
         return
     run, _ = from_run(read_config(p, path, "--checkpoint"))

@@ -34,6 +34,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -88,19 +89,28 @@ def inside(run_dir: str, path: str) -> bool:
 
 def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
     """metrics.jsonl (or eval.jsonl, the held-out evaluations) rows sorted by step; [] when absent
-    or a link out of the run folder. One small line per step: read on every request."""
+    or a link out of the run folder. One small line per step: read on every request. A row whose
+    step is not a number has no place on a curve and is left out (sorting it among numbers, or
+    keying by a list, was a 500)."""
     path = os.path.join(run_dir, name)
     if not os.path.isfile(path) or not inside(run_dir, path):
         return []
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a stray byte: not a 500
         for line in f:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except ValueError:  # a line being written right now
                     continue
-    return sorted((r for r in rows if isinstance(r, dict) and "step" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if isinstance(r, dict) and real(r.get("step"))),
+                  key=lambda r: r["step"])
+
+
+def real(x) -> bool:
+    """Whether a logged value is a number to compare and draw: an int or float, not a bool, not a
+    NaN (logs are JSON written by anything: a string, a None or a NaN where a number belongs)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def read_line(path: str, line_no: int) -> str | None:
@@ -183,8 +193,8 @@ def num(x) -> str:
 
 def svg_curve(xs: list, ys: list, title: str, width: int = 300, height: int = 120) -> Markup:
     """A polyline of ys against xs with min/max labels; no JS, no library."""
-    pts = [(x, y) for x, y in zip(xs, ys) if isinstance(x, (int, float))
-           and isinstance(y, (int, float))]
+    pts = [(x, y) for x, y in zip(xs, ys) if real(x) and real(y) and math.isfinite(x)
+           and math.isfinite(y)]  # a NaN or an infinity has no place on the axes
     pad = 28
     head = (f'<svg class="curve" width="{width}" height="{height}" '
             f'role="img"><title>{escape(title)}</title>')
@@ -214,8 +224,7 @@ def token_view(t: dict, tokenizer) -> dict:
     if not (len(ids) == len(mask) == len(lps)):
         problems.append(f"lengths differ: token_ids {len(ids)}, loss_mask {len(mask)}, logprobs "
                         f"{len(lps)}")
-    texts = (tokenizer.batch_decode([[i] for i in ids]) if tokenizer is not None
-             else [f"[{i}]" for i in ids])
+    texts = token_texts(ids, tokenizer)
     tokens = []
     for k, (i, txt) in enumerate(zip(ids, texts)):
         m = mask[k] if k < len(mask) else None
@@ -234,6 +243,18 @@ def token_view(t: dict, tokenizer) -> dict:
                         "drifted template?")
     return {"tokens": tokens, "sampled": sum(tok["sampled"] for tok in tokens), "spans": spans,
             "replies": replies, "problems": problems}
+
+
+def token_texts(ids: list, tokenizer) -> list[str]:
+    """Each token's text, or its id in brackets where there is no tokenizer or the id is none it
+    can decode (not an integer, outside the vocabulary: the tokenizer raises on those)."""
+    texts = [f"[{i}]" for i in ids]
+    if tokenizer is None:
+        return texts
+    known = [k for k, i in enumerate(ids) if type(i) is int and 0 <= i < len(tokenizer)]
+    for k, text in zip(known, tokenizer.batch_decode([[ids[k]] for k in known])):
+        texts[k] = text
+    return texts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,7 +281,8 @@ border:1px solid #ddd;padding:6px}
 INDEX = """<table><tr><th>#</th><th>run</th><th>steps logged</th><th>last success</th></tr>
 {% for r in runs %}<tr><td>{{ r.i }}</td><td><a class="run" href="/run/{{ r.i }}">{{ r.name }}</a>\
 </td>
-<td>{{ r.steps }}</td><td>{{ r.last|num }}</td></tr>{% endfor %}</table>"""
+{% if r.error %}<td colspan="2" class="problem">cannot read: {{ r.error }}</td>{% else %}\
+<td>{{ r.steps }}</td><td>{{ r.last|num }}</td>{% endif %}</tr>{% endfor %}</table>"""
 
 RUN = """<div>{% for svg in curves %}{{ svg }}{% endfor %}</div>
 <h3>steps</h3>{% if not steps %}<p>no rollouts/step_*.jsonl yet</p>{% endif %}
@@ -420,9 +442,12 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
     def index():
         rows = []
         for i, d in enumerate(runs):
-            metrics = read_metrics(d)
-            rows.append({"i": i, "name": d, "steps": len(step_files(d)),
-                         "last": metrics[-1].get("success_rate", "") if metrics else ""})
+            try:  # one run that cannot be read is its own row, not a 500 that hides the others
+                metrics = read_metrics(d)
+                rows.append({"i": i, "name": d, "steps": len(step_files(d)),
+                             "last": metrics[-1].get("success_rate", "") if metrics else ""})
+            except Exception as e:  # noqa: BLE001 -- degrade at the edge: shown, never hidden
+                rows.append({"i": i, "name": d, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         return page("runs", INDEX, runs=rows)
 
     @app.get("/run/<int:r>")
@@ -456,7 +481,7 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
             groups.setdefault((str(t["item_id"]), str(t["group"])), []).append(t)
         pairs = {}
         for members in groups.values():
-            scored = [t for t in members if isinstance(t["reward"], (int, float))]
+            scored = [t for t in members if real(t["reward"])]
             if len(scored) >= 2:
                 best = max(scored, key=lambda t: t["reward"])
                 worst = min(scored, key=lambda t: t["reward"])
@@ -466,8 +491,8 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
                if (not q["env"] or str(t["env"]) == q["env"])
                and (not q["status"] or str(t["status"]) == q["status"])
                and (not q["task"] or str(t["item_id"]) == q["task"])
-               and (lo is None or (isinstance(t["reward"], (int, float)) and t["reward"] >= lo))
-               and (hi is None or (isinstance(t["reward"], (int, float)) and t["reward"] <= hi))]
+               and (lo is None or (real(t["reward"]) and t["reward"] >= lo))
+               and (hi is None or (real(t["reward"]) and t["reward"] <= hi))]
         pages = max(1, -(-len(sel) // PAGE_SIZE))
         if pg > pages:
             abort(404, f"page {pg} of {pages}")

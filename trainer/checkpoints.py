@@ -109,9 +109,12 @@ def load_data(path: str, **kw):
 def resume_command(out: str, script: str = "train.py") -> str:
     """The command that continues the run in `out` (its config.json holds every other flag), as this
     process was started: plain python, or torchrun with as many processes per node."""
-    procs = os.environ.get("LOCAL_WORLD_SIZE")
-    head = (f"torchrun --nproc-per-node {procs}"
-            if procs and int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python")
+    procs, world = os.environ.get("LOCAL_WORLD_SIZE"), int(os.environ.get("WORLD_SIZE", "1"))
+    head = f"torchrun --nproc-per-node {procs}" if procs and world > 1 else "python"
+    if procs and world > int(procs):  # several nodes: the same command on each, with its rank
+        head = (f"torchrun --nnodes {world // int(procs)} --nproc-per-node {procs} --node-rank "
+                f"R --master-addr {os.environ.get('MASTER_ADDR')} --master-port "
+                f"{os.environ.get('MASTER_PORT')}")
     return f"{head} {script} --resume --out {shlex.quote(out)}"
 
 
@@ -173,16 +176,49 @@ class Interrupts:
             raise KeyboardInterrupt
 
 
+def read_log(path: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl or eval.jsonl. A last line that does not parse is a write
+    a crash cut short: dropped, with a note; a bad line before it is a ValueError naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, x) for n, x in enumerate(f, 1) if x.strip()]
+    rows = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}:{n} is not JSON ({e}): mend or remove that "
+                                 "line") from None
+            if global_rank() == 0:
+                print(f"{path}:{n}: a line cut short by a crash, dropped: {line.strip()[:60]}",
+                      flush=True)
+    return rows
+
+
+def previous_minutes(out: str, st: dict) -> float:
+    """The run's minutes before a resume from the checkpoint whose trainer state is `st`: those of
+    OUT/summary.json where the run ended at the checkpoint (its last save and summary counted),
+    else those the checkpoint holds (0 in one saved before checkpoints held them)."""
+    try:
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        if summary["steps"] == st["step"]:
+            return float(summary["minutes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return float(st.get("minutes", 0.0))
+
+
 def truncate_logs(out: str, last_step: int) -> None:
     """Drop what a run wrote past its checkpoint, before it was stopped: metric and evaluation
-    lines, and rollout logs (the resumed run plays those steps again)."""
+    lines (and a last line a crash cut short), and rollout logs (the resumed run plays those steps
+    again)."""
     for name in ("metrics.jsonl", "eval.jsonl"):
         path = os.path.join(out, name)
         if os.path.exists(path):
-            with open(path) as f:
-                lines = [x for x in f if x.strip() and json.loads(x)["step"] <= last_step]
+            rows = [r for r in read_log(path) if r["step"] <= last_step]
             with open(path, "w") as f:
-                f.writelines(lines)
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     folder = os.path.join(out, "rollouts")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name.startswith("step_") and name[5:11].isdigit() and int(name[5:11]) > last_step:

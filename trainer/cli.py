@@ -10,6 +10,7 @@ can be replayed, errors are one line, and the thread count is chosen in one plac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -332,6 +333,33 @@ def resolve_device(name: str):
     return torch.device(name)
 
 
+@contextlib.contextmanager
+def serving_env(name: str, env_addr: str | None = None):
+    """(url, server) of the env server a script plays on: env_server.process.serving's (--env-addr,
+    else a `python -m env_server NAME` child process). A game the script registered itself is
+    unknown to that process: it is served on a thread of this one (server None). That imports
+    Flask here, which vLLM's start trips on (process.py says why): with vLLM, serve such a game in
+    another process (env_server.app.serve_in_thread) and give --env-addr."""
+    from env_server.agents import registered_here
+    from env_server.process import serving
+
+    if env_addr or not registered_here(name):
+        with serving(name, env_addr) as found:
+            yield found
+        return
+    from env_server import get_env_class
+    from env_server.app import serve_in_thread
+
+    url, stop = serve_in_thread(get_env_class(name))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--env {name} is registered by this script, not in env_server/agents.py: served on "
+              f"a thread of this process at {url}", file=sys.stderr, flush=True)
+    try:
+        yield url, None
+    finally:
+        stop()
+
+
 def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "train",
                given: bool = True) -> dict:
     """env_client.task_splits, or a one-line exit: no server at the address, a bad --tasks-file, or
@@ -341,8 +369,8 @@ def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "tr
 
     try:
         tasks = task_splits(url, env, tasks_file, list_split=list_split)
-    except ValueError as e:
-        sys.exit(str(e))
+    except ValueError as e:  # a bad --tasks-file, or an address that is not an env server
+        sys.exit(f"--env-addr {e}" if given and str(e).startswith(url) else str(e))
     except EnvError as e:
         where = f"--env-addr {url}" if given else f"the local {env} server at {url}"
         sys.exit(f"{where}: no env server answers there ({e.message})")

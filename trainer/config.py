@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass
 
 import algos
-from env_server.agents import SCHEMES
+from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
-from trainer.checkpoints import find_checkpoint
+from trainer.checkpoints import find_checkpoint, load_data
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
                          check_ranges, check_reporter, parse_config)
 from trainer.report import REPORTERS
@@ -22,8 +22,8 @@ import trainer.plateau  # noqa: F401,E402  registers --schedule-kind plateau
 TRAIN_DOC = "train.py: multi-turn RL for LLM agents (python train.py -h)"
 # The defaults that differ between the built-in tiny model and a real one (--model): a settings file
 # for the real model, which -h names, and the tiny model's values here.
-REAL_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                          "real-model.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REAL_MODEL = os.path.join(ROOT, "configs", "real-model.json")
 TINY_MODEL = {"lr": 3e-4, "kl_coef": 0.0, "warmup_steps": 0, "max_update_kl": 0.0,
               "dynamic_sampling": False, "micro_batch_tokens": 16384}
 
@@ -131,8 +131,9 @@ class Config(Shared):
     # Run
     out: str | None = arg(None, "run folder (default runs/{env}__{algo}__{seed}__{time})")
     resume: bool = arg(False, "continue the run in --out from its checkpoint")
-    save_every: int = arg(0, "checkpoint every N steps (0: only at the end; -1: never, but on "
-                             "Ctrl-C or SIGTERM)", group='run')
+    save_every: int = arg(5, "checkpoint every N steps and at the end (0: only at the end; -1: "
+                             "never, but on Ctrl-C, SIGTERM or an exception); the tiny model's "
+                             "costs 0.1 s", group='run')
     report_to: str = arg("none", "also log metrics, evaluations and the config to TensorBoard "
                                  "(OUT/tensorboard) or W&B (WANDB_MODE=offline works)",
                          choices=list(REPORTERS), group='run')
@@ -192,6 +193,8 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
     for ok, message in checks:
         if not ok:
             p.error(message)
+    if not -2 ** 63 <= cfg.seed < 2 ** 63:  # torch's generators take 64 bits; ranks add to it
+        p.error(f"--seed {cfg.seed}: a seed must fit in 64 bits (-2**63 to 2**63 - 1)")
     check_device(p, cfg.device)
     check_env(p, cfg)
     check_model(p, cfg.model)
@@ -204,21 +207,22 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         p.error(str(e))
     stages = len(horizons(cfg.schedule))
     if cfg.schedule_kind == "step" and schedule.stage(cfg.steps) < stages - 1:
-        print(f"train.py: warning: --steps {cfg.steps} reaches {schedule.stage(cfg.steps) + 1} of "
-              f"the {stages} stages of --schedule {cfg.schedule}; the later horizons are never "
-              "played", file=sys.stderr)
-    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        p.error(f"--out {cfg.out} is a file: give the run's folder")
+        warn(f"--steps {cfg.steps} reaches {schedule.stage(cfg.steps) + 1} of the {stages} stages "
+             f"of --schedule {cfg.schedule}; the later horizons are never played")
+    if cfg.out:
+        check_out(p, cfg.out)
     if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f))
                                           for f in RUN_FILES):
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to "
                 "continue that one")
     # the settings file's, or the tiny's
     defaults = REAL_MODEL if cfg.model is not None else TINY_MODEL
+    filled = []
     for name, value in (json.load(open(defaults)).items() if isinstance(defaults, str)
                         else defaults.items()):
         if not name.startswith("_") and getattr(cfg, name) is None:
             setattr(cfg, name, value)
+            filled.append(name)
     if cfg.mini_batch_size == "quarter":
         cfg.mini_batch_size = max(world, cfg.batch_size * cfg.group_size // 4 // world * world)
     if cfg.dynamic_sampling and world > 1 and "dynamic_sampling" not in p.given:
@@ -226,4 +230,95 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
     if cfg.resample == "extend" and not cfg.dynamic_sampling:
         p.error("--resample extend is a kind of dynamic sampling, which is off: add "
                 "--dynamic-sampling")
+    check_learnable(p, cfg)
+    if cfg.model is not None and filled and os.environ.get("RANK", "0") == "0":
+        # a model folder made by SFT is a --model too: these are not the tiny model's settings
+        print(f"train.py: --model: real-model defaults from {os.path.relpath(REAL_MODEL, ROOT)}: "
+              + ", ".join(flag_text(n, getattr(cfg, n)) for n in filled)
+              + " (a flag or --config overrides each)", file=sys.stderr)
+    if cfg.resume:
+        check_resume(p, cfg)
     return cfg
+
+
+def warn(message: str) -> None:
+    """A setting that runs but likely not as meant: one line, once (rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train.py: warning: {message}", file=sys.stderr)
+
+
+def flag_text(name: str, value) -> str:
+    """A field as its flag on a command line: `--lr 1e-06`, `--dynamic-sampling`."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
+
+
+def check_out(p, out: str) -> None:
+    """--out a folder that can be made: neither it nor a folder above it a file."""
+    there = os.path.normpath(out)
+    while not os.path.exists(there) and os.path.dirname(there) not in ("", there):
+        there = os.path.dirname(there)
+    if os.path.exists(there) and not os.path.isdir(there):
+        p.error(f"--out {out} is a file: give the run's folder" if there == os.path.normpath(out)
+                else f"--out {out}: {there} is a file, not a folder")
+
+
+def check_learnable(p, cfg: Config) -> None:
+    """Settings under which nothing is ever learned are refused, ones that learn less than they
+    seem to are warned of (--max-context is checked against the prompt in setup: check_context)."""
+    if cfg.group_size == 1 and cfg.algo == "rloo":
+        p.error("--group-size 1 with --algo rloo: the baseline is the mean of the rest of the "
+                "group, so every advantage is 0 and nothing is learned; give --group-size 2 or "
+                "more")
+    if cfg.group_size == 1 and cfg.dynamic_sampling:
+        p.error("--group-size 1 with --dynamic-sampling: a group of one always ties, so every "
+                "group is replaced and none is trained on; give --group-size 2 or more, or "
+                "--no-dynamic-sampling")
+    if cfg.group_size == 1 and cfg.algo in ("grpo", "dr_grpo", "gigpo"):
+        warn(f"--group-size 1 with --algo {cfg.algo}: a group of one has no baseline, so its "
+             "advantage is its raw score: a win is reinforced, a failure (score 0) teaches nothing")
+    rounds = horizons(cfg.schedule)
+    if cfg.schedule_kind in ("step", "plateau") and rounds != sorted(rounds):
+        warn(f"--schedule {cfg.schedule} shrinks the horizon: ScalingInter-RL grows it stage by "
+             "stage (10,20,30); the run ends on the shorter horizon")
+
+
+def check_resume(p, cfg: Config) -> None:
+    """--resume against its checkpoint: another --env or --seed is refused (the checkpoint holds
+    that game's policy and the random streams of that seed); another --batch-size or --group-size
+    is taken with a warning (the run is no longer the one an unbroken run would be); a checkpoint
+    at --steps or past it leaves nothing to do: one line, exit 0, nothing written."""
+    try:
+        st = load_data(os.path.join(find_checkpoint(cfg.out), "trainer_state.pt"))
+    except ValueError as e:  # a pickle that would run code is refused, not loaded
+        p.error(f"--resume: {e}")
+    saved = st.get("config", {})
+    for name in ("env", "seed"):
+        if name in saved and getattr(cfg, name) != saved[name]:
+            p.error(f"--resume: {cfg.out} is a run of {flag_text(name, saved[name])}, not "
+                    f"{getattr(cfg, name)}: resume it with its own, or start another --out")
+    changed = [n for n in ("batch_size", "group_size")
+               if n in saved and getattr(cfg, n) != saved[n]]
+    if changed:
+        warn(f"--resume: from step {st['step'] + 1} " + ", ".join(
+            f"{flag_text(n, getattr(cfg, n))} (the run's: {saved[n]})" for n in changed) +
+            ": the run is no longer the one an unbroken run would be")
+    if st["step"] >= cfg.steps:
+        print(f"train.py: --resume: the checkpoint in {cfg.out} is at step {st['step']} and "
+              f"--steps is {cfg.steps}: nothing to do (a larger --steps extends the run)")
+        sys.exit(0)
+
+
+def check_context(cfg: Config, fmt) -> None:
+    """--max-context against the opening prompt in this tokenizer (the instructions in the chat
+    template, before any observation): where no reply fits after it, every trajectory ends at the
+    context limit without a sampled token, and nothing is learned; refused before anything is
+    written."""
+    n = len(fmt.prompt_ids(make_agent(cfg.agent, cfg.env, 1).opening("")))
+    if n + cfg.max_new_tokens > cfg.max_context:
+        sys.exit(f"--max-context {cfg.max_context}: the opening prompt alone is {n} tokens "
+                 f"({cfg.env}'s instructions in this model's chat template, before the first "
+                 f"observation) and a reply takes --max-new-tokens {cfg.max_new_tokens}: no "
+                 f"trajectory would reach its first reply; give well over {n + cfg.max_new_tokens}")

@@ -1,8 +1,9 @@
 """The run around train.py's loop, each piece called there at one named point: setup (models,
 optimizers, engine, env server and pool, tasks), --resume from a checkpoint, the progress bar,
 held-out evaluations, checkpoints and signals (Ctrl-C or SIGTERM saves a checkpoint that --resume
-continues exactly), dynamic sampling, the env-error rules, the learning-rate schedule and its
---max-update-kl guard, the metrics files and reporters, and the summary at the end.
+continues exactly), the stop after too many env-error steps in a row, the metrics files and
+reporters, and the summary at the end. Nothing here changes what a step computes: which
+trajectories are trained on, the learning rate and the weight sync are written in train.py.
 
 The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/, summary.json and
 checkpoint/ (README, "Flags and the run folder").
@@ -25,20 +26,20 @@ from tqdm import tqdm
 
 import algos
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
-from env_client import EnvPool
-from trainer.tasks import env_ready, spread
-from env_server.process import serving
+from env_client import EnvError, EnvPool, Transport
+from trainer.tasks import spread
 from eval import held_out
 from models.builtin import resolve
 from models.fast_hf import FastHFEngine
 from models.policy import (Critic, Precision, dtype_name, load_model, load_tokenizer, pad_id,
                            prepare, resolve_dtype)
-from rollout import ChatFormat, RolloutConfig, Trajectory, outcomes, write_log
-from scheduler import horizons, lr_at, make_schedule, stage_steps
-from trainer.checkpoints import (Interrupts, find_checkpoint, load_checkpoint, resume_command,
-                                 save_checkpoint, truncate_logs)
-from trainer.cli import cpu_threads, task_lists
-from trainer.config import Config
+from rollout import (ChatFormat, RolloutConfig, Trajectory, informative_groups, outcomes,
+                     write_log)
+from scheduler import horizons, make_schedule, stage_steps
+from trainer.checkpoints import (Interrupts, find_checkpoint, load_checkpoint, previous_minutes,
+                                 read_log, resume_command, save_checkpoint, truncate_logs)
+from trainer.cli import cpu_threads, serving_env, task_lists
+from trainer.config import Config, check_context
 from trainer.distributed import (all_gather_list, all_max, barrier, broadcast_value, gathered,
                                  global_rank, init_distributed, rank_items, world_size)
 from trainer.report import make_reporter
@@ -60,17 +61,14 @@ def started(cfg: Config):
         if rank == 0:
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""),
                   flush=True)
-        with serving(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
+        with serving_env(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
             # refused before any build
             task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)
             # build what --model names (the warm start, a wheel's model) once, before any write
             if not cfg.resume:
                 if rank == 0:
                     torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
-                    try:
-                        resolve(cfg.model, cfg.env, cfg.cache_dir)
-                    except RuntimeError as e:
-                        sys.exit(f"--model {cfg.model}: {e}")
+                    built(cfg)
                 barrier()
             # after any build, which seeds and draws for itself: a run with the model cached is the
             # same run as the one that built it
@@ -92,6 +90,9 @@ def started(cfg: Config):
                         yield run
                     except KeyboardInterrupt:
                         stop(run, run.intr)
+                    except Exception as e:  # a bug, a full disk, ...: the last whole step saved
+                        crashed(run, e)
+                        raise
                 run.last.pop("first_error", None)
                 run.summary = (run.last if rank != 0
                                else {**run.last, **finish(run, time.time() - run.t_start)})
@@ -114,63 +115,24 @@ def generating(run_or_engine, model=None):
     model = run_or_engine.prec.model if model is None else model
     engine.wake_up()
     try:
-        with gathered(model) if isinstance(engine, HFEngine) else contextlib.nullcontext():
+        sharded = world_size() > 1 and isinstance(engine, HFEngine)  # FSDP shards the HF policy
+        with gathered(model) if sharded else contextlib.nullcontext():
             yield
     finally:
         engine.sleep()
 
 
-def after_rollout(run, step: int, K: int, trajs: list[Trajectory], play, seconds: float):
-    """The step's rollout metrics over every rank's trajectories; dynamic sampling (more rounds of
-    `play` for the groups whose outcomes all tied); the trajectory log. Returns (this rank's
-    trajectories to train on, metrics)."""
-    cfg, t0 = run.cfg, time.time() - seconds
-    everyone = all_gather_list(trajs)
-    # outcomes of the step's own tasks, with or without resampling
-    m = rollout_metrics(everyone, K, 0.0)
-    if cfg.dynamic_sampling:
-        trajs, extra = resample(run, trajs, play)
-        everyone = everyone + extra
-        m.update(resampled_groups=len({t.group for t in extra}),
-                 trained_groups=len({t.group for t in trajs}))
-    time_rollout = time.time() - t0
-    m.update(time_rollout_s=time_rollout,
-             tokens_per_s=sum(sum(t.loss_mask) for t in everyone) / max(time_rollout, 1e-9))
+def log_rollout(run, step: int, K: int, played: list[Trajectory], m: dict, seconds: float):
+    """The rollout's time and speed into the step's metrics `m`, the first env error's text, and
+    every trajectory played (dynamic sampling's extra rounds too) into OUT/rollouts/."""
+    m.update(time_rollout_s=seconds,
+             tokens_per_s=sum(sum(t.loss_mask) for t in played) / max(seconds, 1e-9))
     if global_rank() == 0:
-        write_log(os.path.join(cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, everyone)
-    errors, played = m["status_env_error"], sum(v for k, v in m.items() if k.startswith("status_"))
-    # Too many env errors: what is left is a biased sample (say, only the short episodes); not
-    # trained on.
-    m["bad"] = errors > cfg.max_env_error_share * played
-    if not m["bad"]:  # a plateau schedule watches success; a biased sample would mislead it
-        run.schedule.observe(step, m["success_rate"])
-    m["first_error"] = next((t.error for t in everyone if t.status == "env_error"), None)
-    return trajs, m
+        write_log(os.path.join(run.cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, played)
+    m["first_error"] = next((t.error for t in played if t.status == "env_error"), None)
 
 
-def trainable(run, m: dict, kept: list[Trajectory]) -> bool:
-    """Whether the step updates: some trajectory without an env error, not too many env errors;
-    under torchrun every rank takes part (the update is collective), with or without
-    trajectories."""
-    errors, played = m["status_env_error"], sum(v for k, v in m.items() if k.startswith("status_"))
-    ok = played > errors and not m["bad"] and (kept or world_size() > 1)
-    if ok:
-        run.show(f"update of {len(kept)} trajectories")
-        torch.set_num_threads(run.update_threads)
-    return bool(ok)
-
-
-# ========================================================== step metrics, dynamic sampling's groups
-def informative_groups(trajs: list[Trajectory]) -> set[int]:
-    """Groups not all of one score (env errors left out): the only ones with GRPO/RLOO signal."""
-    scores: dict = {}
-    for t in trajs:
-        if t.status != "env_error":
-            scores.setdefault(t.group, set()).add(t.reward)
-    return {g for g, s in scores.items() if len(s) > 1}
-
-
-def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float) -> dict:
+def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float = 0.0) -> dict:
     """The step's `outcomes` (statuses as status_*); template checks and speed over all of them."""
     o, kept = outcomes(trajs), [t for t in trajs if t.status != "env_error"]
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
@@ -224,6 +186,7 @@ class Run:
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
     summary: dict = dataclasses.field(default_factory=dict)  # finish()'s, at the end
     t_start: float = 0.0
+    minutes_before: float = 0.0  # the run's minutes up to its checkpoint (--resume)
     bad_steps: int = 0  # steps in a row not trained on for env errors
 
     # ---------------------------------------------------------------- train.py's named points
@@ -284,23 +247,20 @@ class Run:
         return show
 
     @contextlib.contextmanager
-    def critical(self, step: int, m: dict):
+    def critical(self):
         """The update and the weight sync: a signal waits for the end (never save half an
-        update)."""
+        update: until run.log, run.safe holds no state); the rollout's threads back after."""
         with self.intr.critical():
+            self.safe = (self.safe[0], None)
             try:
                 yield
             finally:
                 torch.set_num_threads(self.threads)
 
-    def set_lr(self, step: int) -> float:
-        return set_lr(self, step)
-
     def log(self, step: int, m: dict) -> None:
-        """The step's metrics line (metrics.jsonl, reporters), after the --max-update-kl guard; the
-        state a stop now saves is this step's (its weights are the engine's)."""
+        """The step's metrics line (metrics.jsonl, reporters); the state a stop now saves is this
+        step's (its weights are the engine's)."""
         m["skipped_update"] = int("loss" not in m)
-        guard(self, step, m)
         if self.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         m["step"] = step
@@ -309,8 +269,7 @@ class Run:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             self.reporter.log("train", row, step)
-        # inside the critical section: a signal held back by it is raised as it ends, and the
-        # checkpoint it saves must be this step's
+        # a signal the critical section held back stops the run after it: with this step saved
         self.safe = (step, snapshot(self))
         self.last = m
 
@@ -322,9 +281,10 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
         sys.exit(f"no training tasks at {url}" + (f" in --tasks-file {cfg.tasks_file}"
                                                   if cfg.tasks_file else ""))
     # the initial policy, and the KL reference
-    init_path = resolve(cfg.model, cfg.env, cfg.cache_dir)
+    init_path = built(cfg)
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = load_tokenizer(model_path)
+    check_context(cfg, ChatFormat(tokenizer))  # --max-context against the opening prompt
     model = load_model(model_path, dtype=None).train()
     dtype = compute_dtype(cfg, device, model)
     model = prepare(model, device, cfg.grad_checkpointing, dtype)
@@ -360,6 +320,20 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     if ckpt:
         resume(run, ckpt)
     return run
+
+
+def built(cfg: Config) -> str:
+    """The folder --model names (models.builtin.resolve), built once into --cache-dir (the tiny
+    model's warm start takes minutes): a failed fetch, or Ctrl-C during the build, is one line."""
+    try:
+        return resolve(cfg.model, cfg.env, cfg.cache_dir)
+    except RuntimeError as e:
+        sys.exit(f"--model {cfg.model}: {e}")
+    except KeyboardInterrupt:
+        what = f"--model {cfg.model}" if cfg.model else "the tiny model"
+        print(f"Ctrl-C: stopped building {what} in {cfg.cache_dir} (the stages built stay there); "
+              "nothing written to the run folder", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: torch.dtype):
@@ -418,69 +392,44 @@ def resume(run: Run, ckpt: str) -> None:
         for gen in (run.sample_gen, run.update_gen, torch):
             gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
     run.start, dtype = st["step"] + 1, dtype_name(run.compute_dtype)
-    if rank == 0:
-        if st.get("dtype", dtype) != dtype:  # --dtype auto follows the hardware, not the run
-            print(f"resuming a {st['dtype']} run in {dtype} (--dtype {cfg.dtype} here)", flush=True)
-        truncate_logs(cfg.out, st["step"])
-    if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # the evaluations before the stop
-        with open(os.path.join(cfg.out, "eval.jsonl")) as f:
-            run.evals = [json.loads(x) for x in f if x.strip()]
+    run.minutes_before = previous_minutes(cfg.out, st)
+    try:
+        if rank == 0:
+            if st.get("dtype", dtype) != dtype:  # --dtype auto follows the hardware, not the run
+                print(f"resuming a {st['dtype']} run in {dtype} (--dtype {cfg.dtype} here)",
+                      flush=True)
+            truncate_logs(cfg.out, st["step"])
+        if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # the evaluations before the stop
+            run.evals = read_log(os.path.join(cfg.out, "eval.jsonl"))
+    except ValueError as e:
+        sys.exit(f"--resume: {e}")
 
 
-def resample(run: Run, trajs: list[Trajectory],
-             play_groups) -> tuple[list[Trajectory], list[Trajectory]]:
-    """Dynamic sampling: groups whose scores all tie carry no signal, so up to --max-resample extra
-    rounds are played until the update sees --batch-size informative groups (fewer when the rounds
-    run out). --resample fresh (DAPO) drops a tied group and plays a fresh task in its place, under
-    a new group id; --resample extend plays the tied group's own task --group-size more times under
-    the same id, so that a task solved 1 time in 8 still shows its win. Returns (the trajectories to
-    train on, the extra ones)."""
-    cfg = run.cfg
-    keep = informative_groups(trajs)
-    kept = [t for t in trajs if t.group in keep]
-    tied = {t.group: t.item_id for t in trajs if t.group not in keep}  # group -> its task
-    extra, next_group = [], max(t.group for t in trajs) + 1
-    for _ in range(cfg.max_resample):
-        missing = cfg.batch_size - len({t.group for t in kept})
-        if missing <= 0 or not tied:
-            break
-        if cfg.resample == "extend":  # the tied groups' own tasks again, under their own ids
-            groups = [g for g in sorted(tied) for _ in range(cfg.group_size)]
-            item_ids = [tied[g] for g in groups]
-        else:
-            fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
-            item_ids, groups = rank_items(fresh, len(fresh), cfg.group_size)
-            groups, next_group = [next_group + g for g in groups], next_group + len(fresh)
-        extra += play_groups(item_ids, groups)
-        played = [t for t in trajs + extra if t.group in groups]  # a grown group: both its rounds
-        keep = informative_groups(played)
-        kept += [t for t in played if t.group in keep]
-        # (fresh: a new task is drawn each round while groups are missing)
-        if cfg.resample == "extend":
-            tied = {t.group: t.item_id for t in played if t.group not in keep}
-    return kept, extra
-
-
-def set_lr(run: Run, step: int) -> float:
-    """Put this step's learning rates (lr_at) into the optimizers; returns the policy's."""
-    cfg = run.cfg
-    share = lr_at(step, cfg.steps, cfg.lr_decay, cfg.warmup_steps or 0) * run.lr_scale
-    for name, o in run.optims.items():
-        for g in o.param_groups:
-            g["lr"] = share * (cfg.lr if name == "policy" else cfg.critic_lr)
-    return share * cfg.lr
-
-
-def guard(run: Run, step: int, m: dict) -> None:
-    """--max-update-kl: a step whose update moved the policy further than the bound halves the
-    learning rate of the steps after it (run.lr_scale, kept in checkpoints)."""
-    bound = run.cfg.max_update_kl
-    if bound and m.get("update_kl") is not None and m["update_kl"] > bound:
-        run.lr_scale *= 0.5
-        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl {bound:g}: "
-                   f"learning rate halved to {run.lr_scale:g} x the schedule's from step "
-                   f"{step + 1}")
-    m["lr_scale"] = run.lr_scale
+def env_ready(server, url: str, wait_s: float) -> None:
+    """Before a training step: restart the local env server (an env_server.app.ServerProcess, or
+    None) if it died; after a failed step, also wait up to `wait_s` for the server to answer (a
+    restart elsewhere takes a while). The pool replaces the lost instances at its next reset."""
+    deadline = time.time() + wait_s
+    while True:
+        if server is not None and not server.alive():
+            tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it "
+                       f"on {server.url}")
+            try:
+                server.restart()
+            except RuntimeError as e:
+                tqdm.write(f"could not restart the env server: {e}")
+        if wait_s <= 0:
+            return
+        try:
+            Transport(url, timeout=5.0, retries=0).request("GET", "/")
+            return
+        except EnvError as e:
+            if e.kind not in ("connection", "timeout"):
+                return  # it answered (AgentGym's servers answer their health check in plain text)
+            if time.time() > deadline:
+                tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
+                return
+        time.sleep(1.0)
 
 
 def eval_due(cfg: Config, step: int) -> bool:
@@ -522,9 +471,41 @@ def save(run: Run, step: int, snap: dict) -> None:
     state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
              "lr_scale": snap["lr_scale"], "rank_rngs": all_gather_list([snap["rng"]]),
              "device_type": run.sample_gen.device.type, "dtype": dtype_name(run.compute_dtype),
-             "config": dataclasses.asdict(run.cfg)}
+             "config": dataclasses.asdict(run.cfg), "minutes": minutes(run)}
     save_checkpoint(run.cfg.out, run.model, run.tokenizer, run.critic, run.optims, state)
     run.saved = step
+
+
+def minutes(run: Run) -> float:
+    """The run's minutes so far: every session's, from the start of its first step."""
+    return run.minutes_before + (time.time() - run.t_start) / 60
+
+
+def crashed(run: Run, e: Exception) -> None:
+    """An exception in the loop: the last whole step saved if newer than the checkpoint on disk and
+    not cut in its update (run.safe holds no state then), and a note on the exception saying how
+    to continue. Under torchrun nothing is saved: a save is collective, and the other ranks are not
+    at one."""
+    done, snap = run.safe
+    cfg, world = run.cfg, world_size()
+    on_disk = (f"the checkpoint at step {run.saved} is in {cfg.out}; continue with: "
+               f"{resume_command(cfg.out)}" if run.saved else "no checkpoint yet")
+    if done <= run.saved:
+        note = on_disk
+    elif world > 1:
+        note = f"nothing saved (under torchrun a save needs every rank); {on_disk}"
+    elif snap is None:
+        note = (f"nothing saved (it came in step {done + 1}'s update, never saved half done); "
+                f"{on_disk}")
+    else:
+        try:
+            save(run, done, snap)
+            note = (f"the last whole step saved: checkpoint at step {done} in {cfg.out}; continue "
+                    f"with: {resume_command(cfg.out)}")
+        except Exception as failed:  # the fault may stop the save too (a full disk)
+            note = f"saving step {done} failed too ({failed!r}); {on_disk}"
+    if global_rank() == 0:
+        e.add_note(f"train.py: {note}")
 
 
 def stop(run: Run, intr: Interrupts) -> None:
@@ -562,11 +543,10 @@ def finish(run: Run, seconds: float) -> dict:
     """The end of a run: a short table on the terminal, and every number in OUT/summary.json."""
     cfg = run.cfg
     evals = [e for e in run.evals if e["tasks"]]  # one the env server failed has no result
-    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
-        rows = [json.loads(x) for x in f if x.strip()]
+    rows = read_log(os.path.join(cfg.out, "metrics.jsonl"))
     k = max(1, min(5, len(rows) // 2))
     mean = lambda rs, key: sum(r[key] for r in rs) / max(1, len(rs))  # noqa: E731
-    out = {"steps": len(rows), "minutes": seconds / 60, "out": cfg.out,
+    out = {"steps": len(rows), "minutes": run.minutes_before + seconds / 60, "out": cfg.out,
            "dtype": dtype_name(run.compute_dtype),  # what --dtype resolved to here
            "train_success_first": mean(rows[:k], "success_rate"),
            "train_success_last": mean(rows[-k:], "success_rate")}
@@ -589,7 +569,8 @@ def finish(run: Run, seconds: float) -> dict:
         table += [(f"  {c}", a["by_category"].get(c, float("nan")), v)
                   for c, v in b["by_category"].items()]
     w = max(len(r[0]) for r in table)
-    print(f"\nrun {cfg.out}: {len(rows)} steps in {seconds / 60:.1f} min\n  {'':{w}}  start    end",
+    print(f"\nrun {cfg.out}: {len(rows)} steps in {out['minutes']:.1f} min\n  {'':{w}}  start"
+          "    end",
           flush=True)
     for name, x, y in table:
         print(f"  {name:{w}}  {x:5.3f}  {y:5.3f}  {100 * (y - x):+6.1f} points")

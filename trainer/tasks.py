@@ -1,12 +1,10 @@
 """Task lists for the scripts: a server's /tasks, task files in this project's and the original
-release's id formats, the defaults of envs served elsewhere (WebArena), ids spread over a split; and
-`env_ready`, which restarts a local env server that died and waits for one that is slow to
-answer."""
+release's id formats, the defaults of envs served elsewhere (WebArena), ids spread over a
+split."""
 
 from __future__ import annotations
 
 import json
-import time
 
 from env_client import EnvError, Transport
 
@@ -75,16 +73,16 @@ def task_splits(url: str, env: str, tasks_file: str | None = None,
     WebArena's 812 ids with every fifth one held out. A `tasks_file` (read_tasks_file) replaces the
     splits it lists; its ids are checked against the server's task count where it is known.
     """
-    served = None
+    served = answer = None
     try:
-        served = Transport(url).request("GET", "/tasks", retry=True)
-        served = {"num_tasks": int(served["num_tasks"]), "splits": dict(served["splits"])}
+        answer = Transport(url).request("GET", "/tasks", retry=True)
+        served = {"num_tasks": int(answer["num_tasks"]), "splits": dict(answer["splits"])}
     except EnvError as e:
         if e.kind in ("timeout", "connection"):
             raise  # no server there at all: say so, rather than guess its tasks
-        served = None
+        answer = e.message if e.status is None else f"{e.status}, {e.message}"
     except (KeyError, TypeError, ValueError):
-        served = None
+        answer = f"GET /tasks: {json.dumps(answer)[:120]}"
     if served is None and env in REMOTE_TASKS:
         n = REMOTE_TASKS[env]
         served = {"num_tasks": n, "splits": {"train": [i for i in range(n) if i % 5],
@@ -93,9 +91,10 @@ def task_splits(url: str, env: str, tasks_file: str | None = None,
         given = read_tasks_file(tasks_file, env, served and served["num_tasks"], list_split)
         return {"splits": {**(served["splits"] if served else {}), **given["splits"]},
                 "categories": given["categories"]}
-    if served is None:
-        raise ValueError(f"the server at {url} does not list its tasks; give them with "
-                         "--tasks-file")
+    if served is None:  # (AgentGym's own servers list none: a --tasks-file gives them)
+        answer = answer if len(answer) <= 100 else answer[:100] + "..."
+        raise ValueError(f"{url} is not an env server of this project: it answered {answer} (an "
+                         "AgentGym env server lists no tasks: give them with --tasks-file)")
     return {"splits": served["splits"], "categories": {}}
 
 
@@ -104,32 +103,3 @@ def spread(ids: list[int], k: int) -> list[int]:
     if not k or k >= len(ids):
         return list(ids)
     return [ids[i * len(ids) // k] for i in range(k)]
-
-
-def env_ready(server, url: str, wait_s: float) -> None:
-    """Before a training step: restart the local env server (an env_server.app.ServerProcess, or
-    None) if it died; after a failed step, also wait up to `wait_s` for the server to answer (a
-    restart elsewhere takes a while). The pool replaces the lost instances at its next reset."""
-    from tqdm import tqdm  # writes between progress-bar updates
-
-    deadline = time.time() + wait_s
-    while True:
-        if server is not None and not server.alive():
-            tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it "
-                       f"on {server.url}")
-            try:
-                server.restart()
-            except RuntimeError as e:
-                tqdm.write(f"could not restart the env server: {e}")
-        if wait_s <= 0:
-            return
-        try:
-            Transport(url, timeout=5.0, retries=0).request("GET", "/")
-            return
-        except EnvError as e:
-            if e.kind not in ("connection", "timeout"):
-                return  # it answered (AgentGym's servers answer their health check in plain text)
-            if time.time() > deadline:
-                tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
-                return
-        time.sleep(1.0)

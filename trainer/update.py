@@ -1,7 +1,7 @@
 """The update's machinery, around the clipped loss that train.py writes out: the padded batch and
 its micro-batches by length (models.policy.length_buckets), the rows that cannot move the weights,
 the loss weights that make a torchrun update equal one process's, and the statistics of an update
-(including update_kl, how far it moved the policy).
+(train.update_kl, how far the update moved the policy, reads the log-probs kept here).
 
 Under torchrun every rank brings its own whole groups. FSDP's forward and backward are collectives,
 so every rank runs as many passes as the busiest one, the extra ones on a blank row without sampled
@@ -13,9 +13,12 @@ from __future__ import annotations
 import torch
 
 import algos
-from models.policy import length_buckets, token_logprobs
+from models.policy import length_buckets
 from rollout import Trajectory, build_batch
 from trainer.distributed import all_max, all_sum, world_size
+
+
+SKIP_IDLE = True  # off: idle rows are forwarded too, to the same update (tests/test_plain_layers)
 
 
 class Rows:
@@ -30,19 +33,26 @@ class Rows:
         self.batch = {k: v.to(run.device) for k, v in build_batch(self.trajs, run.pad).items()}
         self.lengths = self.batch["attention_mask"].sum(-1).tolist()
 
-    def micro_batches(self, rows: list[int]) -> list[list[int]]:
-        """`rows` in length buckets, then blank passes up to the busiest rank's count."""
+    def micro_batches(self, rows: list[int], skip=frozenset()) -> list[list[int]]:
+        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in length
+        buckets, then blank passes up to the busiest rank's count."""
+        rows = [i for i in rows if i not in skip] if SKIP_IDLE else list(rows)
         buckets = [[rows[j] for j in b]
                    for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
         return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
 
     def passes(self, fn, skip=frozenset()) -> torch.Tensor:
-        """fn(row indices) -> (b, T-1) over every row but `skip`, without gradients: (B, T-1)."""
+        """fn(rows, mask) -> (b, t-1) over every row but `skip`, without gradients: (B, T-1). Each
+        micro-batch is cut to its longest row (t <= T), as the update's are: `rows` holds its
+        input_ids, attention_mask, position_ids (b, t), `mask` its loss mask (b, t-1)."""
         mask = self.batch["loss_mask"][:, 1:]
         out = torch.zeros_like(mask)
         with torch.no_grad():
-            for idx in self.micro_batches([i for i in range(self.B) if i not in skip]):
-                out[idx] = fn(idx)
+            for idx in self.micro_batches(list(range(self.B)), skip):
+                t = max(self.lengths[i] for i in idx)
+                rows = {k: self.batch[k][idx, :t]
+                        for k in ("input_ids", "attention_mask", "position_ids")}
+                out[idx, :t - 1] = fn(rows, mask[idx, :t - 1])
         return out
 
 
@@ -70,10 +80,10 @@ def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
     global loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch
-    per token; and the first micro-batch's log-probs before any optimizer step, for update_kl."""
+    per token; and the first mini-batch's log-probs before any optimizer step, for update_kl."""
 
     KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
-            "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real")
+            "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
 
     def __init__(self):
         self.acc = dict.fromkeys(self.KEYS, 0.0)
@@ -83,9 +93,10 @@ class UpdateStats:
         acc = self.acc
         for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
             acc[k] += share * float(val.detach())
+        acc["share"] += share
         if vloss is not None:
             acc["value_loss"] += share * float(vloss.detach())
-        if self.first and not self.before:
+        if self.first:
             self.before.append((idx, lp))
         if idx == [rows.B]:  # a blank pass: nothing to count
             return
@@ -104,6 +115,9 @@ class UpdateStats:
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
         keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
         out = {k: tot[k] / n_steps for k in keys}
+        # the entropy of the rows forwarded: idle rows (train.idle_rows) add 0 to the loss, which
+        # is exact, but their entropy is not known
+        out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
         out.update({k: tot[k] / max(tot["micro_batches"], 1) for k in ("clip_frac", "approx_kl")})
         # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)
         out.update({k: tot[k] / max(tot["mismatch_tokens"], 1)
@@ -112,28 +126,7 @@ class UpdateStats:
         out["padding_share"] = 1 - tot["real"] / max(tot["padded"], 1)
         out["train_tokens"] = int(tot["real"])
         out["idle_rows"] = all_sum([float(idle)])[0]
-        out["update_kl"] = update_kl(run, batch, mask, self.before)
         return out
-
-
-def update_kl(run, batch: dict, mask: torch.Tensor, before: list) -> float | None:
-    """How far this step's update moved the policy: KL(before || after) per sampled token, the k3
-    estimate on the tokens of the first micro-batch (they were sampled from the policy before the
-    update), from their log-probs before the update (kept by the first pass) and after it (one more
-    forward, without gradients). Measured by the trainer on both sides: the sampler's own rounding
-    is not in it (logprob_diff is)."""
-    kl_sum, tokens = 0.0, 0.0
-    for idx, lp_before in before:  # one pass per rank: FSDP's forward is a collective
-        T = lp_before.shape[1] + 1
-        m = mask[idx, :T - 1]
-        rows = {k: batch[k][idx][:, :T] for k in ("input_ids", "attention_mask", "position_ids")}
-        with torch.no_grad():
-            lp_after, _ = token_logprobs(run.prec.model, rows, run.cfg.temperature, mask=m)
-        sel = m > 0
-        kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
-        tokens += float(sel.sum())
-    kl_sum, tokens = all_sum([kl_sum, tokens])
-    return kl_sum / tokens if tokens else None  # None: the first mini-batch held only idle rows
 
 
 def update_run(cfg, model, optims: dict, dtype: torch.dtype = torch.float32, **fields):

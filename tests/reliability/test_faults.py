@@ -31,9 +31,15 @@ class ThreadedCounter(CounterEnv):
 
 
 # ---------------------------------------------------------------- the server: a hung game
+# The --op-timeout of the hung-call tests below: the quick calls beside a hung one must fit in it
+# on a loaded machine too (0.5 s left them little room), and a hung call's 504 still comes long
+# before the game's own end ("sleep 30", a reset of 20 s).
+OP_TIMEOUT_S = 2.0
+
+
 @pytest.mark.parametrize("env_cls", [CounterEnv, ThreadedCounter])
 def test_a_hung_call_costs_its_own_instance_only(env_cls):
-    url, stop = serve_in_thread(env_cls, op_timeout_s=0.5, first_id=0)
+    url, stop = serve_in_thread(env_cls, op_timeout_s=OP_TIMEOUT_S, first_id=0)
     try:
         for i in range(4):
             raw(url, "POST", "/create", {"data_idx": 0})
@@ -45,13 +51,14 @@ def test_a_hung_call_costs_its_own_instance_only(env_cls):
             {"op": "step", "id": 3, "action": "add 3"}]})
         took = time.monotonic() - t0
         r = out["results"]
-        assert status == 200 and took < 5, took
+        assert status == 200 and took < 20, took  # the op timeout, not the hung game's 30 s
         assert r[1]["status"] == 504 and "--op-timeout" in r[1]["error"]
         assert r[0]["observation"] == r[2]["observation"] == "Total: 1" and r[3]["done"] is True
-        # the hung instance answers at once from now on, and can be closed; the others play on
+        # the hung instance answers at once from now on (not after waiting out the op timeout for
+        # its lock), and can be closed; the others play on
         t0 = time.monotonic()
         status, e = raw(url, "POST", "/step", {"id": 1, "action": "add 1"})
-        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < 1
+        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < OP_TIMEOUT_S
         assert raw(url, "POST", "/step", {"id": 0, "action": "add 2"})[1]["done"] is True
         status, e = raw(url, "POST", "/step", {"id": 2, "action": "sleep 30"})  # a single-step call
         assert status == 504
@@ -73,7 +80,7 @@ class SlowToReset(CounterEnv):
 def test_a_create_whose_reset_hangs_costs_that_instance_only(batch):
     """A create that names a task resets it; if the reset hangs, the instance the create made is
     marked hung, as a hung /reset's is: closed at once, not held against the instance cap."""
-    url, stop = serve_in_thread(SlowToReset, op_timeout_s=0.5, first_id=0)
+    url, stop = serve_in_thread(SlowToReset, op_timeout_s=OP_TIMEOUT_S, first_id=0)
     try:
         if batch:
             status, out = raw(url, "POST", "/batch", {"ops": [{"op": "create", "data_idx": 2}]})
@@ -84,7 +91,7 @@ def test_a_create_whose_reset_hangs_costs_that_instance_only(batch):
         assert status == 504 and "--op-timeout" in e["error"]
         t0 = time.monotonic()
         status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})
-        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < 1
+        assert status == 503 and "hung" in e["error"] and time.monotonic() - t0 < OP_TIMEOUT_S
         assert raw(url, "POST", "/close", {"id": 0}) == (200, True)
         assert raw(url, "GET", "/")[1]["instances"] == 0
         assert raw(url, "POST", "/create", {"data_idx": 1})[0] == 200
@@ -103,15 +110,16 @@ def step_with_headers(url: str, body: dict) -> tuple[int, dict, dict]:
 
 
 def test_calls_queued_behind_a_slow_call_are_not_hung():
-    """The deadline counts a call's own time, not its wait for the instance: six parallel 0.4 s
-    steps on one instance under a 1 s deadline are each played or told the instance is busy (retry
-    later); none is a 504, and the instance plays on."""
-    url, stop = serve_in_thread(CounterEnv, op_timeout_s=1.0, first_id=0)
+    """The deadline counts a call's own time, not its wait for the instance: six parallel 0.5 s
+    steps on one instance under a 2 s deadline (the last waits 2.5 s) are each played or told the
+    instance is busy (retry later); none is a 504, and the instance plays on. (Each call's own
+    time is 1.5 s inside the deadline, room for a loaded machine.)"""
+    url, stop = serve_in_thread(CounterEnv, op_timeout_s=2.0, first_id=0)
     try:
         raw(url, "POST", "/create", {"data_idx": 19})
         answers = []
         threads = [threading.Thread(target=lambda: answers.append(
-            step_with_headers(url, {"id": 0, "action": "sleep 0.4"}))) for _ in range(6)]
+            step_with_headers(url, {"id": 0, "action": "sleep 0.5"}))) for _ in range(6)]
         for t in threads:
             t.start()
         for t in threads:
@@ -128,14 +136,27 @@ def test_calls_queued_behind_a_slow_call_are_not_hung():
 
 
 def test_a_call_queued_behind_a_hung_call_hears_so_at_once():
-    url, stop = serve_in_thread(CounterEnv, op_timeout_s=0.5, first_id=0)
+    """A call waiting for the instance of a call that turns out hung hears so when it is marked,
+    not "busy" when its own wait runs out. It is sent once the first call is inside the game
+    (however long that takes on a loaded machine: sent earlier, it could take the lock first), and
+    half an op timeout later, so that its wait (one op timeout) ends a whole second after the
+    first call's deadline."""
+    entered = threading.Event()
+
+    class Entered(CounterEnv):
+        def step(self, action):
+            entered.set()
+            return super().step(action)
+
+    url, stop = serve_in_thread(Entered, op_timeout_s=OP_TIMEOUT_S, first_id=0)
     try:
         raw(url, "POST", "/create", {"data_idx": 19})
         first = []
         t = threading.Thread(target=lambda: first.append(raw(url, "POST", "/step",
                                                              {"id": 0, "action": "sleep 30"})))
         t.start()
-        time.sleep(0.25)
+        assert entered.wait(60), "the first step never reached the game"
+        time.sleep(OP_TIMEOUT_S / 2)
         status, e = raw(url, "POST", "/step", {"id": 0, "action": "add 1"})  # waits for the lock
         t.join()
         assert first[0][0] == 504
@@ -146,12 +167,13 @@ def test_a_call_queued_behind_a_hung_call_hears_so_at_once():
 
 def test_idle_time_counts_from_the_end_of_a_call():
     """A call longer than the idle timeout must not leave its instance to the reaper the moment it
-    returns, before the client's next request."""
-    url, stop = serve_in_thread(CounterEnv, idle_timeout_s=0.5, first_id=0)
+    returns, before the client's next request. The pause after the call (0.6 s) gives the reaper
+    (every 0.5 s) a pass; the idle timeout (2 s) leaves 1.4 s beyond it for a loaded machine."""
+    url, stop = serve_in_thread(CounterEnv, idle_timeout_s=2.0, first_id=0)
     try:
         raw(url, "POST", "/create", {"data_idx": 0})
-        assert raw(url, "POST", "/step", {"id": 0, "action": "sleep 1"})[0] == 200
-        time.sleep(0.2)
+        assert raw(url, "POST", "/step", {"id": 0, "action": "sleep 2.5"})[0] == 200
+        time.sleep(0.6)
         assert raw(url, "POST", "/step", {"id": 0, "action": "add 1"})[0] == 200
     finally:
         stop()

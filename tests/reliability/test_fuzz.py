@@ -400,7 +400,7 @@ def test_searchqa_first_tag_is_upstreams_regex():
     run()
     t0 = time.perf_counter()
     assert first_tag("<search>" * 12500 + "</answer>") is None
-    assert time.perf_counter() - t0 < 1.0  # 2 ms; 8 s with the regex
+    assert time.perf_counter() - t0 < 4.0  # 2 ms; 8 s with the regex (room for a loaded machine)
 
 
 # ---------------------------------------------------------------- SciWorld: one JVM per instance

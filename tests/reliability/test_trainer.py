@@ -1,14 +1,19 @@
-"""The trainer under interruption: Ctrl-C and SIGTERM save a checkpoint and exit cleanly, --resume
-then continues exactly as if nothing had happened (same stage, same data order, same samples), a
-checkpoint write cut short never replaces the last good one, and the same seed gives the same
-trajectories."""
+"""The trainer under interruption: Ctrl-C and SIGTERM save a checkpoint and exit cleanly, an
+exception saves the last whole step (never half an update), --resume then continues exactly as if
+nothing had happened (same stage, same data order, same samples) and reads past a log line a crash
+cut short, a checkpoint write cut short never replaces the last good one, and the same seed gives
+the same trajectories."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from conftest import ROOT
 from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
 
 from trainer import checkpoints
@@ -81,6 +86,79 @@ def test_a_signal_mid_rollout_saves_and_resume_continues_exactly(tmp_path, cache
     assert [strip(x) for x in got] == [strip(x) for x in want]
     for step in (3, 4):
         assert rollouts(out, step) == rollouts(reference, step)
+
+
+# train.py with a bug planted in one call of train.<name> (the n-th): the run's own code otherwise
+CRASH = """import sys
+import train
+calls, real = [0], train.{name}
+def planted(*a, **kw):
+    calls[0] += 1
+    if calls[0] == {n}:
+        raise RuntimeError("a bug planted in call {n} of train.{name}")
+    return real(*a, **kw)
+train.{name} = planted
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def crash_train(name: str, n: int, args, cache_dir) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CRASH.format(name=name, n=n), *args,
+                           "--cache-dir", cache_dir], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_an_exception_saves_the_last_whole_step_and_resume_reads_past_torn_lines(
+        tmp_path, cache_dir, slow_server, reference):
+    """With the default flags (a checkpoint every 5 steps) an exception in step 3's rollout saves
+    step 2 and says how to continue; lines a crash cut short at the end of metrics.jsonl and
+    eval.jsonl are dropped with a note, and the resumed run is the unbroken one."""
+    out = str(tmp_path / "run")
+    r = crash_train("rollout", 3, [*COMMON, "--steps", "4", "--out", out,
+                                   "--env-addr", slow_server.url], cache_dir)
+    assert r.returncode == 1 and "RuntimeError: a bug planted in call 3" in r.stderr, (
+        r.stderr[-3000:])
+    assert (f"train.py: the last whole step saved: checkpoint at step 2 in {out}; continue with: "
+            f"python train.py --resume --out {out}") in r.stderr
+    assert torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"),
+                      weights_only=False)["step"] == 2
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "success_ra')  # a write the crash cut short
+    with open(os.path.join(out, "eval.jsonl"), "w") as f:
+        f.write('{"step": 0, "succ')
+    code, log = finish(start_train(["--resume", "--out", out], cache_dir))
+    assert code == 0, log[-3000:]
+    assert (f"{out}/metrics.jsonl:3: a line cut short by a crash, dropped" in log
+            and f"{out}/eval.jsonl:1: a line cut short" in log)
+    got, want = metrics(out), metrics(reference)
+    assert [strip(x) for x in got] == [strip(x) for x in want]
+    for step in (3, 4):
+        assert rollouts(out, step) == rollouts(reference, step)
+
+
+def test_an_exception_in_an_update_saves_nothing(tmp_path, cache_dir):
+    """Step 2's update cut by an exception: the weights are half updated, so nothing is saved (the
+    checkpoint on disk, here none, stays what it was)."""
+    out = str(tmp_path / "run")
+    r = crash_train("update", 2, [*TINY, "--schedule", "2", "--steps", "3", "--out", out],
+                    cache_dir)
+    assert r.returncode == 1 and "a bug planted in call 2 of train.update" in r.stderr
+    assert ("train.py: nothing saved (it came in step 2's update, never saved half done); no "
+            "checkpoint yet") in r.stderr, r.stderr[-3000:]
+    assert checkpoints.find_checkpoint(out) is None and n_metrics(out) == 1
+
+
+def test_a_torn_last_log_line_is_dropped_and_any_other_bad_line_named(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert checkpoints.read_log(str(path)) == [{"step": 1}, {"step": 2}]
+    assert f"{path}:3: a line cut short by a crash, dropped" in capsys.readouterr().out
+    path.write_text('{"step": 1}\n{"step": 2}')  # whole, but cut before its newline
+    checkpoints.truncate_logs(str(tmp_path), 5)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'  # the next line starts on its own
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=f"{path}:2 is not JSON"):
+        checkpoints.truncate_logs(str(tmp_path), 5)
 
 
 def test_a_signal_waits_for_the_critical_section():

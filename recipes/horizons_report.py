@@ -1,0 +1,241 @@
+"""The horizon study's report (`python -m recipes.horizons`, at its end), read from the run folders
+alone: OUT/horizons.png, and one table in OUT/horizons.md and OUT/horizons.json.
+
+- Held-out success: each run's eval.jsonl (train.py's evaluations, every --eval-every steps, at the
+  study's one evaluation horizon on the same tasks); an arm's curve is the mean over seeds at the
+  steps every seed evaluated, its band the min-max over seeds.
+- Training success: each run's metrics.jsonl, mean over seeds per step; in the figure a trailing
+  mean over WINDOW steps (faint: per step); in the table the mean of the first and of the last k
+  steps, k = min(5, steps / 2), as train.py's summary takes them.
+- Minutes: the logged times of the steps (rollout, update, weight sync) and of the evaluations, so
+  that a run resumed after a stop counts each step once; start-up and checkpoint writes are left
+  out.
+- The paired end comparison: eval.py's per-task result of each final checkpoint (RUN/eval_end.json,
+  the curves' held-out tasks), each arm with more than one horizon against each fixed one, seeds
+  pooled (a task's score: its mean over every sample of every seed), tools/paired.compare's mean
+  per-task change and 95% normal interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from scheduler import horizons, stage_steps
+from tools import paired
+
+WINDOW = 5  # steps of the trailing mean of the training-success panel
+
+
+def run_name(arm: str, seed: int) -> str:
+    """The run folder's name: K5_s0, K5-10-20_s1."""
+    return f"K{arm.replace(',', '-')}_s{seed}"
+
+
+def label(arm: str) -> str:
+    ks = horizons(arm)
+    return f"K={ks[0]}" if len(ks) == 1 else f"K={'->'.join(map(str, ks))} (ScalingInter-RL)"
+
+
+def rows(path: str) -> list[dict]:
+    """The lines of a JSONL file a run writes; a last line still being written is left out."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
+
+
+def trailing_mean(xs: list[float], window: int) -> list[float]:
+    return [mean(xs[max(0, i + 1 - window):i + 1]) for i in range(len(xs))]
+
+
+def end_result(out: str) -> dict | None:
+    """RUN/eval_end.json, eval.py's per-task result of the final checkpoint, or None."""
+    r = paired.read_result(os.path.join(out, "eval_end.json"))
+    return None if isinstance(r, str) else r
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def stat(xs: list[float]) -> dict:
+    return {"mean": mean(xs), "per_seed": xs}
+
+
+def read_run(out: str) -> dict:
+    m = rows(os.path.join(out, "metrics.jsonl"))
+    evals = [e for e in rows(os.path.join(out, "eval.jsonl")) if e["tasks"]]  # 0: the env failed
+    k = max(1, min(5, len(m) // 2))
+    seconds = (sum(v for r in m for key, v in r.items()
+                   if key.startswith("time_") and key.endswith("_s") and v)
+               + sum(e.get("time_s", 0.0) for e in evals))
+    upd = [r for r in m if r.get("time_update_s", 0) > 0]
+    return {"evals": {e["step"]: e for e in evals},
+            "train": {r["step"]: r["success_rate"] for r in m},
+            "first": mean([r["success_rate"] for r in m[:k]]), "k": k,
+            "last": mean([r["success_rate"] for r in m[-k:]]), "minutes": seconds / 60,
+            "gen_tokens_per_s": mean([r["tokens_per_s"] for r in m]),
+            "train_tokens_per_s": sum(r.get("train_tokens", 0) for r in upd)
+                                  / max(1e-9, sum(r["time_update_s"] for r in upd)),
+            "peak_gpu_mb": max((r.get("peak_gpu_mb", 0.0) for r in m), default=0.0)}
+
+
+def arm_row(a, arm: str) -> dict:
+    """One arm's line of the table, and its curves, over its seeds."""
+    runs = [read_run(os.path.join(a.out, run_name(arm, s))) for s in a.seeds]
+    shared = sorted(set.intersection(*(set(r["evals"]) for r in runs)))
+    curve = []
+    for step in shared:
+        xs = [r["evals"][step]["success_rate"] for r in runs]
+        curve.append({"step": step, "mean": mean(xs), "min": min(xs), "max": max(xs),
+                      "per_seed": xs})
+    steps = sorted(set.intersection(*(set(r["train"]) for r in runs)))
+    ends = [end_result(os.path.join(a.out, run_name(arm, s))) for s in a.seeds]
+    return {"arm": arm, "label": label(arm), "seeds": a.seeds,
+            "runs": [run_name(arm, s) for s in a.seeds],
+            "held_out_first": {"step": curve[0]["step"], **stat(curve[0]["per_seed"])}
+            if curve else None,
+            "held_out_last": {"step": curve[-1]["step"], **stat(curve[-1]["per_seed"])}
+            if curve else None,
+            "held_out_tasks": next(iter(runs[0]["evals"].values()), {}).get("tasks", 0),
+            "train_success_steps": runs[0]["k"],
+            "train_success_first": stat([r["first"] for r in runs]),
+            "train_success_last": stat([r["last"] for r in runs]),
+            "minutes": stat([r["minutes"] for r in runs]),
+            "end_eval": stat([next(v for key, v in e["overall"].items() if key.startswith("avg@"))
+                              for e in ends if e]),
+            "gen_tokens_per_s": mean([r["gen_tokens_per_s"] for r in runs]),
+            "train_tokens_per_s": mean([r["train_tokens_per_s"] for r in runs]),
+            "peak_gpu_mb": max(r["peak_gpu_mb"] for r in runs),
+            "curve": curve,
+            "train_curve": [[s, mean([r["train"][s] for r in runs])] for s in steps]}
+
+
+def paired_ends(a) -> tuple[list[dict], str]:
+    """Each arm with more than one horizon against each fixed arm, at the end, task by task (seeds
+    pooled); and a line that says what was compared, or why nothing was."""
+    staged = [arm for arm in a.arms if len(horizons(arm)) > 1]
+    fixed = [arm for arm in a.arms if len(horizons(arm)) == 1]
+    ends = {arm: [(s, os.path.join(a.out, run_name(arm, s), "eval_end.json")) for s in a.seeds
+                  if end_result(os.path.join(a.out, run_name(arm, s)))] for arm in a.arms}
+    if not (staged and fixed):
+        return [], ("no paired comparison: it needs an arm with more than one horizon and a "
+                    "fixed one")
+    if not any(ends.values()):
+        return [], ("no paired comparison: no run has an end evaluation (RUN/eval_end.json needs "
+                    "the final checkpoint, which --save-every -1 leaves out)")
+    out = []
+    for arm in staged:
+        for base in fixed:
+            if not (ends[arm] and ends[base]):
+                continue
+            c = paired.compare(paired.pooled([p for _, p in ends[base]]),
+                               paired.pooled([p for _, p in ends[arm]]))
+            out.append({"arm": arm, "against": base, "seeds": [s for s, _ in ends[arm]],
+                        "against_seeds": [s for s, _ in ends[base]], "tasks": c["tasks"],
+                        "left_out": c["left_out"], "against_end": c["start"], "arm_end": c["end"],
+                        "change": c["change"], "ci95": c["ci95"],
+                        **{k: c[k] for k in ("gained", "lost", "both", "neither", "sign_test_p")
+                           if k in c}})
+    how = (f"eval.py on each run's final checkpoint (RUN/eval_end.json): the curves' held-out "
+           f"tasks, {a.cfg.eval_samples} sample(s) per task per seed at K={a.eval_turns}; seeds "
+           "pooled (a task's score: its mean over all samples of all seeds); change: the arm's "
+           "minus the fixed arm's, mean over tasks, 95% normal interval (tools/paired.py)")
+    return out, how
+
+
+def draw(a, table: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, t in enumerate(table):
+        c = colors[i % len(colors)]
+        if t["curve"]:
+            st = [p["step"] for p in t["curve"]]
+            left.plot(st, [p["mean"] for p in t["curve"]], color=c, marker="o", linewidth=2,
+                      label=t["label"])
+            left.fill_between(st, [p["min"] for p in t["curve"]], [p["max"] for p in t["curve"]],
+                              color=c, alpha=0.2, linewidth=0)
+        if t["train_curve"]:
+            st, ys = zip(*t["train_curve"])
+            right.plot(st, ys, color=c, alpha=0.25, linewidth=1)
+            right.plot(st, trailing_mean(list(ys), WINDOW), color=c, linewidth=2, label=t["label"])
+        every, stages = stage_steps(t["arm"], a.steps), len(horizons(t["arm"]))
+        for j in range(1, stages):  # where a staged arm's horizon grows
+            if j * every < a.steps:
+                for ax in (left, right):
+                    ax.axvline(j * every + 0.5, color=c, linestyle=":", linewidth=1)
+    tasks = max((t["held_out_tasks"] for t in table), default=0)
+    left.set(title=f"held-out success (K={a.eval_turns}, {tasks} tasks x {a.cfg.eval_samples})\n"
+                   "mean over seeds; band: min-max over seeds", xlabel="step", ylabel="success")
+    right.set(title=f"training success, mean over seeds\ntrailing mean of {WINDOW} steps "
+                    "(faint: per step; dotted: a stage begins)", xlabel="step")
+    for ax in (left, right):
+        ax.set_ylim(bottom=-0.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pct(x) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def markdown(a, table: list[dict], pairs: list[dict], how: str) -> str:
+    k = table[0]["train_success_steps"]
+    lines = [f"# Horizon study: {a.env}", "",
+             f"Start: {a.model or 'the built-in tiny model'}; {a.steps} steps; seeds "
+             f"{', '.join(map(str, a.seeds))}; held-out success at K={a.eval_turns} on "
+             f"{table[0]['held_out_tasks']} tasks x {a.cfg.eval_samples} every {a.eval_every} "
+             f"steps; {a.device}, {a.parallel} run(s) at once. Means over seeds; per seed in "
+             "points. Training success: the mean of the first and of the last "
+             f"{k} step{'s' * (k != 1)}. Minutes: the logged steps and evaluations, per run.", "",
+             "| arm | seeds | held-out, first eval | held-out, last eval | per seed, first -> last "
+             "| training success, first -> last | minutes |", "|---|---|---|---|---|---|---|"]
+    for t in table:
+        f, l = t["held_out_first"], t["held_out_last"]
+        seeds = "; ".join(f"{s}: {100 * x:.1f} -> {100 * y:.1f}"
+                          for s, x, y in zip(t["seeds"], f["per_seed"], l["per_seed"])) if f else ""
+        lines.append(f"| {t['label']} | {len(t['seeds'])} | "
+                     f"{pct(f and f['mean'])} (step {f and f['step']}) | "
+                     f"{pct(l and l['mean'])} (step {l and l['step']}) | {seeds} | "
+                     f"{pct(t['train_success_first']['mean'])} -> "
+                     f"{pct(t['train_success_last']['mean'])} | {t['minutes']['mean']:.2f} |")
+    lines += ["", "| arm | generation tokens/s | training tokens/s | peak GPU MB |",
+              "|---|---|---|---|"]
+    lines += [f"| {t['label']} | {t['gen_tokens_per_s']:.0f} | {t['train_tokens_per_s']:.0f} | "
+              f"{t['peak_gpu_mb']:.0f} |" for t in table]
+    lines += ["", "## The end, paired task by task", "", how + "."]
+    if pairs:
+        lines += ["", "| arm | against | tasks | fixed arm's end | arm's end | change (points) | "
+                      "95% interval |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {label(c['arm'])} | {label(c['against'])} | {c['tasks']} | "
+                  f"{pct(c['against_end'])} | {pct(c['arm_end'])} | {100 * c['change']:+.1f} | "
+                  f"[{100 * c['ci95'][0]:+.1f}, {100 * c['ci95'][1]:+.1f}] |" for c in pairs]
+    return "\n".join(lines) + "\n"
+
+
+def report(a) -> dict:
+    """Read every run of the study, write the figure and the table, print the table."""
+    table = [arm_row(a, arm) for arm in a.arms]
+    pairs, how = paired_ends(a)
+    draw(a, table, os.path.join(a.out, "horizons.png"))
+    text = markdown(a, table, pairs, how)
+    with open(os.path.join(a.out, "horizons.md"), "w") as f:
+        f.write(text)
+    result = {"env": a.env, "model": a.model, "device": a.device, "steps": a.steps,
+              "seeds": a.seeds, "eval_every": a.eval_every, "eval_turns": a.eval_turns,
+              "eval_samples": a.cfg.eval_samples, "parallel": a.parallel,
+              "band": "min-max over seeds", "train_smoothing": f"trailing mean of {WINDOW} steps",
+              "arms": table, "paired": pairs, "paired_method": how}
+    with open(os.path.join(a.out, "horizons.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print("\n" + text + f"\nwritten: {a.out}/horizons.md, horizons.json, horizons.png", flush=True)
+    return result

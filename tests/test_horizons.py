@@ -1,0 +1,139 @@
+"""`python -m recipes.horizons` end to end on the built-in tiny model and Corridor (two arms, one
+seed, two steps): the run folders, the figure and the table read back from the runs, a second call
+that skips what is done; what a half-done study does with each run; bad flags refused in one line
+before anything is written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from recipes import horizons
+from tools import paired
+
+FAST = ["--batch-size", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-tasks", "2",
+        "--threads", "1"]
+ARMS = ["--env", "corridor", "--arms", "2", "2,4", "--steps", "2", "--eval-every", "1"]
+
+
+def study(out, *more, train=()):
+    return subprocess.run([sys.executable, "-m", "recipes.horizons", *ARMS, "--out", str(out),
+                           *more, "--", *FAST, *train], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def jsonl(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def test_a_study_runs_reports_and_is_skipped_when_done(tmp_path, capsys):
+    out, cache = tmp_path / "h", ["--cache-dir", str(tmp_path / "cache")]
+    r = study(out, "--parallel", "2", train=cache)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[1/2] K2_s0: training from scratch" in r.stdout
+    assert "K2-4_s0: step 2/2, K=4" in r.stdout  # a line per finished step, read from the run
+    runs = {arm: out / horizons.run_name(arm, 0) for arm in ("2", "2,4")}
+    assert [m["max_turns"] for m in jsonl(runs["2"] / "metrics.jsonl")] == [2, 2]
+    assert [m["max_turns"] for m in jsonl(runs["2,4"] / "metrics.jsonl")] == [2, 4]  # it grew
+    table = json.load(open(out / "horizons.json"))
+    assert [t["arm"] for t in table["arms"]] == ["2", "2,4"] and table["eval_turns"] == 4
+    for t in table["arms"]:
+        run = runs[t["arm"]]
+        evals, metrics = jsonl(run / "eval.jsonl"), jsonl(run / "metrics.jsonl")
+        # every arm measured at the long horizon, every step, the table's numbers the run's own
+        assert [(e["step"], e["max_turns"]) for e in evals] == [(0, 4), (1, 4), (2, 4)]
+        assert [p["step"] for p in t["curve"]] == [0, 1, 2]
+        assert t["held_out_first"]["per_seed"] == [evals[0]["success_rate"]]
+        assert t["held_out_last"]["mean"] == evals[-1]["success_rate"]
+        assert t["train_success_first"]["mean"] == metrics[0]["success_rate"]
+        assert t["train_success_last"]["mean"] == metrics[-1]["success_rate"]
+        assert t["minutes"]["mean"] > 0
+    # the paired end: eval.py's per-task results of the two final checkpoints, on the curves' tasks
+    held = json.load(open(out / "held_out_tasks.json"))["test"]
+    ends = [paired.read_result(str(runs[arm] / "eval_end.json")) for arm in ("2", "2,4")]
+    assert all(sorted(t["item_id"] for t in e["tasks"]) == sorted(held) for e in ends)
+    (pair,) = table["paired"]
+    c = paired.compare(*ends)
+    assert (pair["arm"], pair["against"], pair["tasks"]) == ("2,4", "2", 2)
+    assert pair["change"] == c["change"] and pair["ci95"] == c["ci95"]
+    md = open(out / "horizons.md").read()
+    assert "| K=2 | 1 |" in md and "| K=2->4 (ScalingInter-RL) | K=2 | 2 |" in md
+    assert os.path.getsize(out / "horizons.png") > 10_000
+    # again (in this process, the quicker): nothing is run, the report is written from the runs
+    before = os.path.getmtime(runs["2"] / "metrics.jsonl")
+    again = horizons.main([*ARMS, "--out", str(out), "--", *FAST, *cache])
+    shown = capsys.readouterr().out
+    assert shown.count("finished, skipped") == 2 and "0 of 2 runs to do" in shown
+    assert os.path.getmtime(runs["2"] / "metrics.jsonl") == before
+    assert again["arms"] == table["arms"] and again["paired"] == table["paired"]
+
+
+@pytest.mark.parametrize("more,train,named", [
+    (["--arms", "2", "0,3"], [], "--arms 0,3"),
+    ([], ["--steps", "3"], "--steps"),
+    (["--seeds", "1", "1"], [], "--seeds"),
+])
+def test_a_bad_flag_is_one_line_and_writes_nothing(tmp_path, more, train, named):
+    out = tmp_path / "h"
+    r = study(out, *more, train=train)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def fake_run(folder, steps: int, checkpoint_step=None, finished=False, **config):
+    os.makedirs(folder)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    with open(folder / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": s, "success_rate": 0.0}) + "\n"
+                     for s in range(1, steps + 1))
+    if checkpoint_step is not None:
+        os.makedirs(folder / "checkpoint")
+        torch.save({"step": checkpoint_step}, folder / "checkpoint" / "trainer_state.pt")
+    if finished:
+        (folder / "summary.json").write_text("{}")
+        (folder / "eval_end.json").write_text(json.dumps(
+            {"tasks": [{"item_id": 1, "scores": [1.0]}]}))
+
+
+def test_a_half_done_study_resumes_restarts_and_skips(tmp_path, capsys):
+    """What the second call of a study does with each run, and the settings it refuses to mix."""
+    out = tmp_path / "h"
+    argv = ["--env", "corridor", "--arms", "2", "2,4", "5", "--steps", "2", "--eval-every", "1",
+            "--out", str(out), "--", *FAST, "--lr", "1e-3"]
+    a = horizons.parse_args(argv)
+    killed, empty, done = (out / horizons.run_name(arm, 0) for arm in ("2", "2,4", "5"))
+    fake_run(killed, 1, checkpoint_step=1)
+    fake_run(empty, 1)  # metrics, no checkpoint: nothing to resume from
+    fake_run(done, 2, checkpoint_step=2, finished=True)
+    jobs = {j.arm: j for j in a.jobs}
+    assert horizons.plan(a, jobs["2"], "held.json").startswith("resuming from its checkpoint")
+    (what, cmd), (then, ev) = jobs["2"].commands
+    assert what == "train" and cmd[1:5] == ["train.py", "--resume", "--out", str(killed)]
+    assert "--config" not in cmd and "--lr" in cmd and jobs["2"].last_step == 1
+    assert then == "evaluate" and ev[ev.index("--tasks-file") + 1] == "held.json"
+    assert ev[ev.index("--max-turns") + 1] == "5"  # the longest arm's horizon
+    assert horizons.plan(a, jobs["2,4"], "held.json").startswith("training from scratch")
+    assert not empty.exists()  # train.py would refuse a folder holding metrics
+    cmd = jobs["2,4"].commands[0][1]
+    assert [cmd[cmd.index(f) + 1] for f in ("--schedule", "--schedule-every", "--save-every")] == \
+        ["2,4", "1", "1"]
+    assert horizons.plan(a, jobs["5"], "held.json") == "finished, skipped"
+    assert not jobs["5"].commands
+    # a saved run with other settings than this command's is refused, naming the setting
+    with open(done / "config.json", "w") as f:
+        json.dump({"lr": 3e-4}, f)
+    with pytest.raises(SystemExit) as e:
+        horizons.parse_args(argv)
+    assert e.value.code == 2 and "lr = 0.0003" in capsys.readouterr().err
+    # and train.py's own checks run on every run's command line before anything is written
+    with pytest.raises(SystemExit):
+        horizons.parse_args([*ARMS, "--out", str(tmp_path / "x"), "--", "--lr", "-1"])
+    err = capsys.readouterr().err
+    assert "--lr" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

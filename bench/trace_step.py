@@ -116,7 +116,8 @@ class Tracer:
 
 
 def report(tracer: Tracer) -> dict:
-    """{"files": {file: (lines, functions)}, "lines", "functions", "depth", "chain"}."""
+    """{"files": {file: (lines, functions)}, "lines", "functions", "depth", "chain", "units":
+    ["file:first-last name", ...]}."""
     per_file: dict = defaultdict(lambda: [0, 0])
     for path, first, last, _ in tracer.seen:
         rel = os.path.relpath(path, ROOT)
@@ -126,7 +127,9 @@ def report(tracer: Tracer) -> dict:
     return {"files": {k: tuple(v) for k, v in files.items()},
             "lines": sum(v[0] for v in files.values()),
             "functions": sum(v[1] for v in files.values()),
-            "depth": len(tracer.deepest), "chain": tracer.deepest}
+            "depth": len(tracer.deepest), "chain": tracer.deepest,
+            "units": [f"{os.path.relpath(path, ROOT)}:{first}-{last} {name}"
+                      for path, first, last, name in sorted(tracer.seen)]}
 
 
 def trace(argv: list[str], step: int = 2) -> dict:
@@ -161,6 +164,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", type=int, default=2, help="the step to trace (default 2)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    p.add_argument("--units", action="store_true", help="also list every function that ran")
     p.add_argument("train_args", nargs="*", help="train.py's flags after --; default: the "
                    "README's Corridor command with --steps 3")
     a = p.parse_args()
@@ -169,6 +173,8 @@ def main() -> None:
         print(json.dumps(r))
     else:
         show(r)
+    if a.units and not a.json:
+        print("\n".join(r["units"]))
 
 
 if __name__ == "__main__":

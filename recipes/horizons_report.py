@@ -25,6 +25,10 @@ from scheduler import horizons, stage_steps
 from tools import paired
 
 WINDOW = 5  # steps of the trailing mean of the training-success panel
+# Student t's 97.5% point by degrees of freedom (any statistics table); 1.96 beyond 30
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060,
+        2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 def run_name(arm: str, seed: int) -> str:
@@ -54,6 +58,34 @@ def end_result(out: str) -> dict | None:
     """RUN/eval_end.json, eval.py's per-task result of the final checkpoint, or None."""
     r = paired.read_result(os.path.join(out, "eval_end.json"))
     return None if isinstance(r, str) else r
+
+
+def end_avg(out: str) -> float | None:
+    """The final checkpoint's held-out Avg@n (RUN/eval_end.json), or None."""
+    r = end_result(out)
+    return None if r is None else sum(
+        sum(t["scores"]) / len(t["scores"]) for t in r["tasks"]) / len(r["tasks"])
+
+
+def by_seed(a, arm: str, base: str) -> dict:
+    """The arm's end minus the fixed arm's, seed by seed: the mean over the seeds that both have,
+    and its 95% Student t interval."""
+    import math
+
+    seeds, diffs = [], []
+    for s in a.seeds:
+        x, y = (end_avg(os.path.join(a.out, run_name(k, s))) for k in (arm, base))
+        if x is not None and y is not None:
+            seeds.append(s)
+            diffs.append(x - y)
+    n = len(diffs)
+    m = mean(diffs)
+    if n < 2:  # no interval from one seed
+        return {"seeds": seeds, "differences": diffs, "change": m, "sd": None, "ci95": None}
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1))
+    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / math.sqrt(n)
+    return {"seeds": seeds, "differences": diffs, "change": m, "sd": sd,
+            "ci95": [m - half, m + half]}
 
 
 def mean(xs: list[float]) -> float:
@@ -138,11 +170,14 @@ def paired_ends(a) -> tuple[list[dict], str]:
                         "left_out": c["left_out"], "against_end": c["start"], "arm_end": c["end"],
                         "change": c["change"], "ci95": c["ci95"],
                         **{k: c[k] for k in ("gained", "lost", "both", "neither", "sign_test_p")
-                           if k in c}})
+                           if k in c},
+                        "by_seed": by_seed(a, arm, base)})
     how = (f"eval.py on each run's final checkpoint (RUN/eval_end.json): the curves' held-out "
-           f"tasks, {a.cfg.eval_samples} sample(s) per task per seed at K={a.eval_turns}; seeds "
-           "pooled (a task's score: its mean over all samples of all seeds); change: the arm's "
-           "minus the fixed arm's, mean over tasks, 95% normal interval (tools/paired.py)")
+           f"tasks, {a.cfg.eval_samples} sample(s) per task per seed at K={a.eval_turns}. By seed "
+           "(the test): each seed's Avg@n of the arm minus the fixed arm's with the same seed, "
+           "mean over seeds, 95% Student t interval. By task: seeds pooled (a task's score: its "
+           "mean over all samples of all seeds), the mean per-task change, 95% normal interval "
+           "(tools/paired.py); it holds the seeds fixed")
     return out, how
 
 
@@ -188,6 +223,10 @@ def pct(x) -> str:
     return "n/a" if x is None or x != x else f"{100 * x:.1f}%"
 
 
+def interval(ci) -> str:
+    return "(no interval)" if ci is None else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+
+
 def markdown(a, table: list[dict], pairs: list[dict], how: str) -> str:
     k = table[0]["train_success_steps"]
     lines = [f"# Horizon study: {a.env}", "",
@@ -214,11 +253,15 @@ def markdown(a, table: list[dict], pairs: list[dict], how: str) -> str:
               f"{t['peak_gpu_mb']:.0f} |" for t in table]
     lines += ["", "## The end, paired task by task", "", how + "."]
     if pairs:
-        lines += ["", "| arm | against | tasks | fixed arm's end | arm's end | change (points) | "
-                      "95% interval |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {label(c['arm'])} | {label(c['against'])} | {c['tasks']} | "
-                  f"{pct(c['against_end'])} | {pct(c['arm_end'])} | {100 * c['change']:+.1f} | "
-                  f"[{100 * c['ci95'][0]:+.1f}, {100 * c['ci95'][1]:+.1f}] |" for c in pairs]
+        lines += ["", "| arm | against | fixed arm's end | arm's end | by seed: change, 95% "
+                      "interval (seeds) | by task: change, 95% interval (tasks) |",
+                  "|---|---|---|---|---|---|"]
+        for c in pairs:
+            s = c["by_seed"]
+            lines.append(f"| {label(c['arm'])} | {label(c['against'])} | "
+                         f"{pct(c['against_end'])} | {pct(c['arm_end'])} | "
+                         f"{100 * s['change']:+.1f} {interval(s['ci95'])} ({len(s['seeds'])}) | "
+                         f"{100 * c['change']:+.1f} {interval(c['ci95'])} ({c['tasks']}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -62,7 +62,9 @@ def test_a_study_runs_reports_and_is_skipped_when_done(tmp_path, capsys):
     assert (pair["arm"], pair["against"], pair["tasks"]) == ("2,4", "2", 2)
     assert pair["change"] == c["change"] and pair["ci95"] == c["ci95"]
     md = open(out / "horizons.md").read()
-    assert "| K=2 | 1 |" in md and "| K=2->4 (ScalingInter-RL) | K=2 | 2 |" in md
+    assert "| K=2 | 1 |" in md and "| K=2->4 (ScalingInter-RL) | K=2 |" in md
+    assert pair["by_seed"]["seeds"] == [0] and pair["by_seed"]["ci95"] is None  # one seed
+    assert pair["by_seed"]["change"] == pytest.approx(c["end"] - c["start"])
     assert os.path.getsize(out / "horizons.png") > 10_000
     # again (in this process, the quicker): nothing is run, the report is written from the runs
     before = os.path.getmtime(runs["2"] / "metrics.jsonl")
@@ -137,3 +139,24 @@ def test_a_half_done_study_resumes_restarts_and_skips(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--lr" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_the_test_by_seed_is_each_seeds_difference_with_a_t_interval(tmp_path):
+    """Three seeds, hand-computed: the staged arm's end minus the fixed arm's, seed by seed."""
+    a = horizons.parse_args(["--env", "corridor", "--arms", "2", "2,4", "--seeds", "0", "1", "2",
+                             "--steps", "2", "--out", str(tmp_path / "h"), "--", *FAST])
+    ends = {"2": [0.0, 0.5, 0.25], "2,4": [0.5, 0.5, 1.0]}  # differences 0.5, 0.0, 0.75
+    for arm, xs in ends.items():
+        for seed, x in enumerate(xs):
+            run = tmp_path / "h" / horizons.run_name(arm, seed)
+            os.makedirs(run)  # two tasks: Avg@2 = x
+            (run / "eval_end.json").write_text(json.dumps({"tasks": [
+                {"item_id": 48, "scores": [x, x]}, {"item_id": 49, "scores": [x, x]}]}))
+    from recipes.horizons_report import by_seed
+
+    r = by_seed(a, "2,4", "2")
+    assert r["seeds"] == [0, 1, 2] and r["differences"] == [0.5, 0.0, 0.75]
+    # mean 5/12; sd sqrt(((1/12)^2 + (5/12)^2 + (4/12)^2) / 2) = sqrt(7/48); t(2) = 4.303
+    half = 4.303 * (7 / 48) ** 0.5 / 3 ** 0.5
+    assert r["change"] == pytest.approx(5 / 12)
+    assert r["ci95"] == pytest.approx([5 / 12 - half, 5 / 12 + half])

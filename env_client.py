@@ -55,7 +55,8 @@ class Step:
 MAX_IDLE_S = 1.0  # a kept connection unused for longer is not reused (see Transport)
 # The most an answer may hold (a /batch answer: this per op). Observations run from a few hundred
 # bytes (TextCraft) to a few hundred KB (a WebArena page); far more is a server gone wrong, which
-# would cost seconds and gigabytes to tokenize and log.
+# would cost seconds and gigabytes to tokenize and log. The default of every Transport made after
+# `cap_answers` (the scripts' --env-max-answer-mb) changes it.
 MAX_ANSWER_BYTES = 4 * 2**20
 _lock = threading.Lock()
 _calls: dict[int, list] = {}  # thread id -> [deadline, the socket it waits on, its connection]
@@ -94,6 +95,13 @@ def _watch() -> None:
                     call[1] = None
 
 
+def cap_answers(mb: float) -> None:
+    """--env-max-answer-mb: the answer cap of the env clients this process makes from now on (the
+    scripts make their pools from an address alone, in rollout.py and trainer/run.py)."""
+    global MAX_ANSWER_BYTES
+    MAX_ANSWER_BYTES = max(1, int(mb * 2**20))
+
+
 @functools.cache
 def _start_watchdog(pid: int) -> None:  # one per process: a forked child starts its own
     threading.Thread(target=_watch, name="env-client-deadlines", daemon=True).start()
@@ -108,13 +116,13 @@ class Transport:
     call past its deadline, however slowly its answer trickles in."""
 
     def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2,
-                 max_answer_bytes: int = MAX_ANSWER_BYTES):
+                 max_answer_bytes: int | None = None):  # None: MAX_ANSWER_BYTES
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
         self.base_url, self.prefix = f"{u.scheme}://{u.netloc}", u.path.rstrip("/")
         self.timeout, self.retries = timeout, retries  # timeout: each attempt's, as a whole
-        self.max_answer_bytes = max_answer_bytes
+        self.max_answer_bytes = max_answer_bytes or MAX_ANSWER_BYTES
         self.pool = self._new_pool()
         _start_watchdog(os.getpid())
 
@@ -242,9 +250,10 @@ def _text(x) -> str:
 class EnvClient:
     """One env instance, created on the server at construction."""
 
-    def __init__(self, base_url: str | Transport, timeout: float = 120.0, retries: int = 2):
+    def __init__(self, base_url: str | Transport, timeout: float = 120.0, retries: int = 2,
+                 max_answer_bytes: int | None = None):  # None: MAX_ANSWER_BYTES
         self.http = (base_url if isinstance(base_url, Transport)
-                     else Transport(base_url, timeout, retries))
+                     else Transport(base_url, timeout, retries, max_answer_bytes))
         # "id": 0 is the task AgentGym's SearchQA server requires at create; the others ignore it
         created = self.http.request("POST", "/create", {"request_key": str(uuid.uuid4()), "id": 0},
                                     retry=True)
@@ -325,7 +334,7 @@ class EnvPool:
 
     def __init__(self, base_url: str, size: int, timeout: float = 120.0, retries: int = 2,
                  workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64,
-                 max_answer_bytes: int = MAX_ANSWER_BYTES):
+                 max_answer_bytes: int | None = None):  # None: MAX_ANSWER_BYTES
         self.http = Transport(base_url, timeout, retries, max_answer_bytes)
         self.size = size
         self.executor = ThreadPoolExecutor(max(1, min(workers, size)), "env-pool")

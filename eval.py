@@ -10,8 +10,10 @@ score of sample j of task i: Avg@n = mean_i(mean_j s_ij), as in AgentGym-RL, and
 share of tasks with a success among their n samples, success being training's one rule
 (rollout.is_success: the env ended the episode with a score above 0), overall and per category.
 An infrastructure error is left out and counted, never 0.
-Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut, the
-same command continues from OUT.partial.jsonl. `held_out` is train.py's evaluation during a run.
+Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut (a
+crash, Ctrl-C: one line, exit 130), the same command continues from OUT.partial.jsonl. A game the
+calling script registered is served on a thread of it. `held_out` is train.py's evaluation during a
+run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import json
 import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: cli.cpu_threads
+import sys
 import time
 
 import torch
@@ -28,12 +31,11 @@ from tqdm import tqdm
 from env_client import EnvError
 from env_server import get_env_class
 from env_server.agents import served_here
-from env_server.process import serving
 from models.loading import dtype_name, load_local  # the policy: a checkpoint, HF or built-in model
 from rollout import (EnginePolicy, RolloutConfig, Trajectory, is_success, outcomes,
                      play_in_chunks, rollout, write_log)
 from tools import endpoint, eval_config, eval_outputs, paired  # the flags; features at named lines
-from trainer import cli  # the task lists (cli.task_lists) and the thread count
+from trainer import cli  # the env server (cli.serving_env), the task lists, the thread count
 from trainer.distributed import all_gather_list, global_rank, world_size  # torchrun, in held_out
 
 
@@ -44,8 +46,22 @@ def parse_args(argv=None) -> eval_config.EvalConfig:
 def main(cfg: eval_config.EvalConfig) -> dict:
     if cfg.compare:
         return paired.compare_results(cfg.compare)  # two results compared; nothing is played
-    with serving(cfg.env, cfg.env_addr) as (url, _):
-        return evaluate(cfg, url)
+    try:
+        with cli.serving_env(cfg.env, cfg.env_addr) as (url, _):
+            return evaluate(cfg, url)
+    except KeyboardInterrupt:
+        print(f"Ctrl-C: stopped; {kept(cfg)}", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def kept(cfg: eval_config.EvalConfig) -> str:
+    """What a cut evaluation leaves: the chunks of episodes that ended, in OUT.partial.jsonl."""
+    path = eval_outputs.partial_path(cfg.out)
+    if not os.path.exists(path):
+        return "no chunk of episodes had ended: nothing written"
+    with open(path, encoding="utf-8") as f:
+        episodes = sum(1 for _ in f) - 1  # after the line of settings
+    return f"{episodes} episodes kept in {path}: the same command continues from them"
 
 
 def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:

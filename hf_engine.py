@@ -1,7 +1,18 @@
-"""HFEngine: a plain batched sampler with a KV cache on any transformers causal LM, CPU or GPU.
+"""HFEngine: the batched sampler `--engine hf` runs, on any transformers causal LM, CPU or GPU.
 The trainer's own model generates, so there are no weights to copy after an update. `Sample` is
-what every engine returns (engines.py picks one; vllm_engine.py has the other; models/fast_hf.py
-is this sampler with the cache kept across turns and finished rows dropped from decoding)."""
+what every engine returns (engines.py picks one; vllm_engine.py has the other).
+
+One call: the prompts left-padded into one block and encoded at once (prefill), then one token per
+row per model call (decode) until every row has sampled a stop id. Two things make it fast on long
+multi-turn conversations without changing a sample (bench/turn_cache.py times each, off and on):
+- The cache kept across turns. A turn's prompt is the previous turn's prompt, its reply and the new
+  observation. With `reuse=True` (what rollout() asks for) each call keeps its rows, their ids and
+  the keys and values computed for them; the next call copies a kept row's keys and values into the
+  new cache at the columns of the prompt that extends it, and encodes only the columns past them.
+  The cache is transformers' StaticCache, allocated once per call and written in place (a growing
+  cache is re-concatenated at every token: more than the model costs on long prompts).
+- Finished rows dropped: once half of the rows being decoded have stopped, the others go on alone.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +30,25 @@ class Sample:
 
 
 class HFEngine:
-    """The prompts left-padded into one block and encoded at once (prefill), then one token per
-    row per model call (decode), earlier positions' keys and values read from the cache. Log-probs
-    are those of the tempered distribution, log softmax(logits / temperature), before top-p
-    truncation: the trainer computes its own the same way, so the PPO ratio is 1 on-policy."""
+    """Log-probs are those of the tempered distribution, log softmax(logits / temperature), before
+    top-p truncation: the trainer computes its own the same way, so the PPO ratio is 1 on-policy.
+    `static_cache=False` (a growing cache, so no reuse) and `compact=False` turn a feature off."""
 
-    def __init__(self, model, pad_id: int, max_batch: int = 64):
+    def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True,
+                 compact: bool = True):
         self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
+        self.static_cache = static_cache  # False also where transformers has none for the model
+        self.compact = compact  # decode only the rows still generating once half have stopped
+        self.reuse_ok = True  # False once the cache's layout is not the one _seed knows
+        self._kept = None  # the previous call's rows, for reuse=True
+        # prompt tokens taken from the kept cache / encoded, and rows computed over all decoding
+        # steps (fewer than steps x rows with compaction): bench/turn_cache.py prints them
+        self.reused_tokens = self.encoded_tokens = self.decoded_rows = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it samples in: its model's (VLLMEngine's is the --dtype it was started with)."""
+        return next(self.model.parameters()).dtype
 
     def sync_weights(self, model) -> float:
         self.model = model  # same process, same object: nothing to copy
@@ -33,7 +56,8 @@ class HFEngine:
         return 0.0
 
     def forget(self) -> None:
-        """Nothing is kept between calls here (FastHFEngine drops its kept cache)."""
+        """Drop the rows kept for the next turn."""
+        self._kept = None
 
     def sleep(self) -> None:
         """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
@@ -46,49 +70,184 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                  temperature: float = 1.0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
-        """Samples for `prompts`, `max_batch` rows per model call. `reuse` is a hint for engines
-        that keep the conversation's cache between turns; this one encodes every prompt in full."""
-        out = []
-        for i in range(0, len(prompts), self.max_batch):
-            out += self._batch(prompts[i:i + self.max_batch], max_new_tokens, stop_ids,
-                               temperature, top_p, generator)
-        return out
-
-    def _batch(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator):
-        """One model call over all the prompts (prefill), then one per new token (decode) until
-        every row has sampled a stop id or max_new_tokens; each row cut after its stop id."""
+        """Samples for `prompts`, `max_batch` rows per model call. With `reuse`, the rows are kept
+        for the next call (rollout() calls forget() at the end); kept rows are not used once the
+        weights have changed in place (an optimizer step bumps each tensor's version counter)."""
+        reuse = reuse and self.reuse_ok and self.static_cache
+        version = [p._version for p in self.model.parameters()]
+        kept, self._kept = self._kept, None
+        if not reuse or (kept is not None and kept["version"] != version):
+            kept = None
+        out, rows = [], []
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
         try:
-            ids, attn, pos = left_pad(prompts, self.pad_id, next(self.model.parameters()).device)
-            stop = torch.tensor(stop_ids, device=ids.device)
-            done = torch.zeros(len(prompts), dtype=torch.bool, device=ids.device)
-            # the LM head on the last position only, where the model allows it: the prompt's
-            # other logits are never read, and over a large vocabulary they cost a lot of memory
-            kw = {"logits_to_keep": 1} if keeps_last_logits(self.model) else {}
-            cache, new_ids, new_lps = None, [], []
-            for _ in range(max_new_tokens):
-                o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                               past_key_values=cache, use_cache=True, **kw)
-                cache = o.past_key_values
-                nxt, lp = sample(o.logits[:, -1].float(), temperature, top_p, generator)
-                # a row that has stopped samples pad from then on (cut_at_stop drops it)
-                nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
-                new_ids.append(nxt)
-                new_lps.append(lp)
-                done = done | torch.isin(nxt, stop)
-                if bool(done.all()):
-                    break
-                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-                ids, pos = nxt[:, None], pos[:, -1:] + 1
+            for i in range(0, len(prompts), self.max_batch):
+                chunk = prompts[i:i + self.max_batch]
+                got, cache, starts = self._batch(chunk, max_new_tokens, stop_ids, temperature,
+                                                 top_p, generator, kept)
+                out += got
+                # row b's ids but the last sampled one went through the model: their keys and
+                # values are in `cache`, row b, from column starts[b] on
+                if reuse:
+                    rows += [{"ids": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": cache,
+                              "b": b, "start": starts[b]}
+                             for b, (p, s) in enumerate(zip(chunk, got))]
         finally:
             self.model.train(was_training)
-        return cut_at_stop(torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu(), stop_ids)
+        if reuse:
+            self._kept = {"rows": rows, "version": version}
+        return out
+
+    def _batch(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept):
+        """One model call over the prompts (prefill, from the first column the kept rows do not
+        hold), then one per new token (decode) until every row has sampled a stop id or
+        max_new_tokens. Returns the samples, each cut after its stop id, the cache, and the column
+        each prompt starts at."""
+        device = next(self.model.parameters()).device
+        ids, attn, pos = left_pad(prompts, self.pad_id, device)
+        B, L = ids.shape
+        starts = [L - len(p) for p in prompts]
+        cache, first = self._new_cache(L + max_new_tokens), 0
+        if kept is not None and cache is not None:
+            # encode columns [first, L) only; a row whose reuse ends before `first` re-encodes a
+            # few of its kept tokens, to the same keys and values
+            hits = self._matches(prompts, kept["rows"])
+            first = min(s + n for s, (_, n) in zip(starts, hits))
+            if first > 0 and not self._seed(cache, kept["rows"], hits, starts, first):
+                first, cache = 0, self._new_cache(L + max_new_tokens)  # a clean one
+        self.reused_tokens += sum(first - s for s in starts if s < first)
+        self.encoded_tokens += sum(L - max(s, first) for s in starts)
+        ids, pos = ids[:, first:], pos[:, first:]
+        kw = {"cache_position": torch.arange(first, L, device=device)}
+        # the LM head on the last position only, where the model allows it: a prompt's other
+        # logits are never read, and with a 49k-token vocabulary they cost a fifth of a prefill
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            kw["logits_to_keep"] = 1
+        live = _Compacted(cache, B) if self.compact and cache is not None and B > 1 else None
+        stop = torch.tensor(stop_ids, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        new_ids, new_lps = [], []
+        for _ in range(max_new_tokens):
+            o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                           past_key_values=cache, use_cache=True, **kw)
+            cache = o.past_key_values
+            logits = o.logits[:, -1].float()
+            self.decoded_rows += logits.shape[0]
+            if live is not None and live.rows is not None:
+                # rows that stopped were not computed: they draw from a uniform row, discarded,
+                # so that every row keeps the sampling stream it has without compaction
+                logits = logits.new_zeros(B, logits.shape[-1]).index_copy_(0, live.rows, logits)
+            nxt, lp = sample(logits, temperature, top_p, generator)
+            # a row that has stopped samples pad from then on (cut_at_stop drops it)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            new_ids.append(nxt)
+            new_lps.append(lp)
+            done = done | torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            ids, pos = nxt[:, None], pos[:, -1:] + 1
+            kw["cache_position"] = kw["cache_position"][-1:] + 1
+            if live is not None:
+                ids, pos, attn = live.shrink(done, ids, pos, attn)
+        if live is not None:
+            live.restore()
+        samples = cut_at_stop(torch.stack(new_ids, 1).cpu(), torch.stack(new_lps, 1).cpu(),
+                              stop_ids)
+        return samples, cache, starts
+
+    def _new_cache(self, length: int):
+        """transformers' StaticCache of `length` positions, or None (a growing cache) where it has
+        none for the model or `static_cache` is off."""
+        if not self.static_cache:
+            return None
+        try:
+            from transformers import StaticCache
+            return StaticCache(config=self.model.config, max_cache_len=length)
+        except Exception:  # an older transformers or a model it does not support
+            self.static_cache = False
+            return None
+
+    @staticmethod
+    def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
+        """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same
+        order, less the finished ones, so a forward scan finds them."""
+        found, j = [], 0
+        for p in prompts:
+            hit = (-1, 0)
+            for k in range(j, len(rows)):
+                # at least one prompt token is encoded: it yields the logits
+                n = min(rows[k]["valid"], len(p) - 1)
+                if n > 0 and p[:n] == rows[k]["ids"][:n]:
+                    hit, j = (k, n), k + 1
+                    break
+            found.append(hit)
+        return found
+
+    def _seed(self, cache, rows: list[dict], hits, starts, first: int) -> bool:
+        """Write into `cache` (a fresh StaticCache), for each prompt with a hit, the kept keys and
+        values of its reused tokens at the prompt's own columns; False where the cache's layout is
+        not the one expected (then every prompt is encoded in full)."""
+        try:
+            for i, layer in enumerate(cache.layers):
+                for b, (r, n) in enumerate(hits):
+                    if r < 0:
+                        continue
+                    old, src, old_b = rows[r]["cache"].layers[i], rows[r]["start"], rows[r]["b"]
+                    if not layer.is_initialized:  # allocated like the kept one, for B rows
+                        layer.lazy_initialization(old.keys[:1].expand(len(hits), -1, -1, -1),
+                                                  old.values[:1].expand(len(hits), -1, -1, -1))
+                    layer.keys[b, :, starts[b]:starts[b] + n] = old.keys[old_b, :, src:src + n]
+                    layer.values[b, :, starts[b]:starts[b] + n] = old.values[old_b, :, src:src + n]
+                if not layer.is_initialized:
+                    return False
+                layer.cumulative_length.fill_(first)  # where the prefill's keys go
+            return True
+        except (AttributeError, TypeError, RuntimeError, IndexError):  # another cache layout
+            self.reuse_ok = False
+            return False
 
 
-def keeps_last_logits(model) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (most of transformers' LMs do)."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+class _Compacted:
+    """The rows of a decoding batch still being computed: `rows` (None: all B) are their indices.
+    Once half of those computed have stopped, `shrink` drops the stopped ones, moving the others'
+    keys and values into a smaller copy of each cache layer; `restore` writes the computed rows
+    back into the full layers and puts those back, so that the cache can be kept for the next turn
+    (a stopped row's columns after its stop keep what they held: nothing reads them)."""
+
+    def __init__(self, cache, B: int):
+        self.layers, self.B = cache.layers, B
+        self.rows = self.full = None  # full: each layer's (keys, values) of all B rows
+
+    def shrink(self, done, ids, pos, attn):
+        """The next model call's inputs, from `ids` for all B rows and `pos`, `attn` for the rows
+        computed so far."""
+        if self.rows is None:
+            rows = torch.arange(self.B, device=ids.device)
+        else:
+            rows, ids = self.rows, ids[self.rows]
+        keep = (~done[rows]).nonzero().squeeze(1)
+        if len(keep) > len(rows) // 2:
+            return ids, pos, attn
+        if self.full is not None:
+            self.restore()
+        elif all(isinstance(getattr(x, "keys", None), torch.Tensor) for x in self.layers):
+            self.full = [(x.keys, x.values) for x in self.layers]
+        else:  # a layer that holds no keys and values: never compacted
+            return ids, pos, attn
+        self.rows = rows[keep]
+        for x, (k, v) in zip(self.layers, self.full):
+            x.keys, x.values = k.index_select(0, self.rows), v.index_select(0, self.rows)
+        return ids[keep], pos[keep], attn[keep]
+
+    def restore(self):
+        if self.full is None:
+            return
+        for x, (k, v) in zip(self.layers, self.full):
+            k.index_copy_(0, self.rows, x.keys)
+            v.index_copy_(0, self.rows, x.values)
+            x.keys, x.values = k, v
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device):
@@ -141,3 +300,4 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
     sorted_p = sorted_p * keep
     return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+

@@ -176,7 +176,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                  temperature: float = 1.0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
-        """`reuse` is for engines that keep a conversation's cache themselves (models/fast_hf.py):
+        """`reuse` is for engines that keep a conversation's cache themselves (hf_engine.py):
         here vLLM's prefix cache always finds the conversation so far."""
         if not prompts:
             return []

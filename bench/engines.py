@@ -77,14 +77,14 @@ def timed_generate(engine, prompts, new: int, seed: int) -> float:
 def micro(a, path: str) -> dict:
     import engines
     from models import policy
-    from models.fast_hf import FastHFEngine
+    from hf_engine import HFEngine
 
     tok = policy.load_tokenizer(path)
     made, start = {}, {}
     for kind in a.engines:
         t = time.perf_counter()
         if kind == "hf":
-            made[kind] = FastHFEngine(policy.load_model(path).to(torch.bfloat16).eval(),
+            made[kind] = HFEngine(policy.load_model(path).to(torch.bfloat16).eval(),
                                       policy.pad_id(tok))
         else:
             made[kind] = engines.make_engine("vllm", None, path, policy.pad_id(tok),

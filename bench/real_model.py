@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import models.builtin as models  # noqa: E402
 from models import policy  # noqa: E402
-from models.fast_hf import FastHFEngine  # noqa: E402
+from hf_engine import HFEngine  # noqa: E402
 from env_server.agents import opening_messages  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from rollout import ChatFormat  # noqa: E402
@@ -77,7 +77,7 @@ def prefill_speed(model, pad: int, prompts) -> float:
 
 
 def engine_speed(model, pad: int, prompts, new: int) -> float:
-    engine = FastHFEngine(model, pad)
+    engine = HFEngine(model, pad)
     t = time.perf_counter()
     out = engine.generate(prompts, new, [], 1.0, 1.0, torch.Generator().manual_seed(0))
     assert all(len(s.ids) == new for s in out)

@@ -24,13 +24,13 @@ from trainer.cli import cpu_threads  # noqa: E402
 from trainer.update import update_run  # noqa: E402
 from env_client import EnvPool  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
-from models.fast_hf import FastHFEngine  # noqa: E402
+from hf_engine import HFEngine  # noqa: E402
 from models.policy import load_model, load_tokenizer, pad_id  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
 
-class TimedEngine(FastHFEngine):
-    """FastHFEngine (what train.py samples with) that adds up the seconds spent generating."""
+class TimedEngine(HFEngine):
+    """HFEngine (what train.py samples with) that adds up the seconds spent generating."""
 
     seconds = 0.0
 

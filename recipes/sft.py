@@ -50,7 +50,6 @@ from trainer.cli import (Shared, arg, check_env, check_model, check_positive, ch
                          check_reporter, cpu_threads, parse_config, resolve_device)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_server.process import serving
-from models.fast_hf import FastHFEngine
 from models.policy import (length_buckets, load_model, load_tokenizer, pad_id, resolve_dtype,
                            token_logprobs)
 from trainer.report import REPORTERS, make_reporter
@@ -102,11 +101,11 @@ def play(model, tokenizer, env_addr: str, env_name: str, item_ids: list[int], rc
          generator: torch.Generator | None = None, pool_size: int = 64,
          engine=None) -> list[Trajectory]:
     """rollout() over `item_ids` on at most `pool_size` env instances at once, sampled by `engine`
-    (its weights brought up to `model`'s first) or, without one, by a FastHFEngine on `model`
+    (its weights brought up to `model`'s first) or, without one, by a HFEngine on `model`
     itself."""
     fmt = ChatFormat(tokenizer)
     if engine is None:
-        engine = FastHFEngine(model, pad_id(tokenizer))
+        engine = HFEngine(model, pad_id(tokenizer))
     engine.sync_weights(model)
     policy = EnginePolicy(engine, fmt, rcfg, generator)
 
@@ -124,7 +123,7 @@ def agent_evol(model, tokenizer, env_addr: str, env_name: str, train_ids: list[i
                progress: bool = True, engine=None, batch_size: int = 16,
                dtype: torch.dtype = torch.float32) -> list[float]:
     """AgentEvol: each iteration samples `samples_per_task` trajectories per training task with the
-    current model (on `engine`, default a FastHFEngine on `model`), keeps the successes (status
+    current model (on `engine`, default a HFEngine on `model`), keeps the successes (status
     done, reward > 0), and fine-tunes on them plus all earlier data (`data`: e.g. the expert
     trajectories of the warm start). Returns each iteration's success rate (over trajectories
     without env errors), measured before that iteration's fine-tuning."""
@@ -342,11 +341,11 @@ def cfg_task_ids(cfg: Config) -> list[int]:
 
 def sampling_engine(cfg: Config, model, path: str, tokenizer, device, dtype: torch.dtype):
     """The engine that plays AgentEvol's and DPO's episodes (--engine; auto:
-    engines.resolve_engine). A FastHFEngine samples with `model` itself; a VLLMEngine starts from
+    engines.resolve_engine). A HFEngine samples with `model` itself; a VLLMEngine starts from
     `path` and is synced to `model` before each round of play."""
     kind = resolve_engine(cfg.engine, path, device)
     if kind == "hf":
-        return FastHFEngine(model, pad_id(tokenizer))
+        return HFEngine(model, pad_id(tokenizer))
     try:
         return make_engine("vllm", model, path, pad_id(tokenizer), batch=64, max_model_len=4096,
                            dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,

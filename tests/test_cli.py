@@ -48,6 +48,13 @@ def test_help_shows_every_default_and_prints_percent_signs(script):
         assert "dr_grpo" in text  # the estimator choices come from algos.ESTIMATORS
 
 
+@pytest.mark.parametrize("module", ["recipes.sft", "recipes.horizons", "tools.plot", "tools.viewer",
+                                    "env_server"])
+def test_a_modules_usage_line_names_the_command_typed(module):
+    r = run(["-m", module, "-h"])
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {module} "), r.stdout[:200]
+
+
 def test_env_server_help_points_to_each_envs_own_flags():
     r = run(["-m", "env_server", "-h"])
     assert r.returncode == 0 and "python -m env_server NAME -h" in r.stdout

@@ -527,3 +527,34 @@ def test_pool_turns_a_nan_reward_into_that_instances_error(batch):
         assert [s.reward for i, s in enumerate(out) if i != bad] == [0.5, 0.5]
     finally:
         stop()
+
+
+def test_an_answer_past_the_cap_is_an_env_error_and_the_flag_sets_the_cap(toy_server, capsys,
+                                                                          monkeypatch):
+    """CounterEnv echoes a malformed action in its observation: a 90 KB action, a 90 KB answer.
+    The default cap (4 MB) takes it; a 50 KB cap makes it that instance's error (a pool's other
+    instances play on), and --env-max-answer-mb sets the cap of the clients made after."""
+    import train
+
+    monkeypatch.setattr(env_client, "MAX_ANSWER_BYTES", env_client.MAX_ANSWER_BYTES)  # restored
+    long = "x" * 90_000
+    c = EnvClient(toy_server)
+    c.reset(0)
+    assert long in c.step(long).observation
+    with EnvPool(toy_server, 2, use_batch=False, max_answer_bytes=50_000) as pool:
+        pool.reset([0, 1])
+        out = pool.step([long, "add 1"])
+    assert isinstance(out[0], EnvError) and out[0].kind == "protocol", out[0]
+    assert "answer over 50000 bytes" in out[0].message and out[1].observation == "Total: 1"
+    with EnvPool(toy_server, 2, use_batch=True, max_answer_bytes=50_000) as pool:
+        pool.reset([0, 1])  # /batch: 50 KB an op, 100 KB for the two
+        assert all(isinstance(s, EnvError) and "answer over 100000 bytes" in s.message
+                   for s in pool.step([long, long]))
+    train.parse_args(["--env", "corridor", "--env-max-answer-mb", "0.05"])
+    c = EnvClient(toy_server)
+    c.reset(0)
+    with pytest.raises(EnvError, match=f"answer over {int(0.05 * 2**20)} bytes"):
+        c.step(long)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--env", "corridor", "--env-max-answer-mb", "0"])
+    assert "--env-max-answer-mb must be positive, got 0" in capsys.readouterr().err

@@ -316,7 +316,9 @@ def test_endpoint_address_and_answer_size_flags_are_checked(capsys):
     for argv, needle in [(["--endpoint", "host:8000/v1"], "--endpoint: bad endpoint address"),
                          (["--endpoint", "http://h:99999/v1"], "Port out of range"),
                          (["--endpoint", "http://h/v1", "--endpoint-max-answer-kb", "0"],
-                          "--endpoint-max-answer-kb must be at least 1")]:
+                          "--endpoint-max-answer-kb must be at least 1"),
+                         (["--endpoint", "http://h/v1", "--endpoint-max-context-kb", "0"],
+                          "--endpoint-max-context-kb must be at least 1")]:
         with pytest.raises(SystemExit):
             ev.parse_args(["--env", "corridor", "--endpoint-model", "m", *argv])
         assert needle in capsys.readouterr().err
@@ -329,6 +331,16 @@ def test_a_seed_past_64_bits_is_refused_in_one_line(capsys):
     assert e.value.code == 2 and "--seed 18446744073709551616: a seed must fit in 64 bits" in \
         capsys.readouterr().err
     assert ev.parse_args(["--env", "corridor", "--seed", str(2 ** 64 - 1)]).seed == 2 ** 64 - 1
+
+
+def test_an_out_under_a_file_is_refused_in_one_line(tmp_path, capsys):
+    """Once a traceback from makedirs, after the model had loaded."""
+    (tmp_path / "somefile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args(["--env", "corridor", "--out", str(tmp_path / "somefile" / "r.json")])
+    assert e.value.code == 2 and (f"--out {tmp_path / 'somefile' / 'r.json'}: "
+                                  f"{tmp_path / 'somefile'} is a file, not a folder"
+                                  in capsys.readouterr().err)
 
 
 def fake_run(folder, **settings):
@@ -457,8 +469,11 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
         return real(*a, **k)
 
     monkeypatch.setattr(ev, "rollout", counted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:
         ev.main(ev.parse_args([*args, "--out", out]))
+    assert stopped.value.code == 130 and capsys.readouterr().err.endswith(
+        f"Ctrl-C: stopped; 8 episodes kept in {out}.partial.jsonl: the same command continues "
+        "from them\n")
     assert (not os.path.exists(out)
             and len(eval_outputs.read_partial(ev.parse_args([*args, "--out", out]))) == 8)
     with pytest.raises(SystemExit):  # other settings would mix two evaluations in one result
@@ -490,3 +505,106 @@ def test_an_out_without_a_folder_part_is_written_in_the_working_folder(tmp_path,
     res = ev.main(ev.parse_args([*args, "--out", "x.json"]))
     assert res["n_scored"] == 1
     assert sorted(os.listdir(tmp_path)) == ["cache", "x.json", "x.rollouts.jsonl"]
+
+
+def interrupted(cmd: list[str], tmp_path, ready) -> tuple[int, str]:
+    """Run `cmd` (its output in files: a full pipe would stall it), send it a SIGINT once
+    `ready(stdout)` holds (polled: no fixed sleep), -> (exit code, stderr)."""
+    import signal
+
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
+    try:
+        t0 = time.monotonic()
+        while not ready((tmp_path / "stdout").read_text()):
+            assert proc.poll() is None and time.monotonic() - t0 < 300, \
+                (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, (tmp_path / "stderr").read_text()
+
+
+def test_ctrl_c_while_episodes_play_keeps_the_chunks_played_in_one_line(tmp_path):
+    """Once a traceback; now one line naming what is kept (the ended chunks, in OUT.partial.jsonl),
+    exit 130. The signal comes once the first chunk is kept, with most of the 24 still to play."""
+    out = tmp_path / "r.json"
+    partial = tmp_path / "r.json.partial.jsonl"
+    code, err = interrupted([sys.executable, "eval.py", "--env", "corridor", "--n", "16",
+                             "--batch", "8", "--max-turns", "6", "--max-new-tokens", "8",
+                             "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+                             "--out", str(out)],
+                            tmp_path, lambda _: partial.exists())
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    kept = len(partial.read_text().splitlines()) - 1
+    assert kept % 8 == 0 and 8 <= kept < 192 and not out.exists()
+    assert err.strip().splitlines()[-1] == (f"Ctrl-C: stopped; {kept} episodes kept in {partial}: "
+                                            "the same command continues from them")
+
+
+def test_ctrl_c_while_the_model_builds_is_one_line(tmp_path):
+    """eval.py builds the tiny model's warm start as train.py does (minutes, once): a Ctrl-C there
+    is one line, exit 130, and leaves no half-built folder."""
+    cache, out = tmp_path / "cache", tmp_path / "r.json"
+    code, err = interrupted([sys.executable, "eval.py", "--env", "textcraft", "--threads", "1",
+                             "--cache-dir", str(cache), "--out", str(out)], tmp_path,
+                            lambda stdout: "building the warm-started tiny model" in stdout)
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"Ctrl-C: stopped building the tiny model in {cache} "
+                                            "(the stages built stay there); nothing played")
+    assert not [p for p in os.listdir(cache) if ".tmp" in p]
+    assert sorted(os.listdir(tmp_path)) == ["cache", "stderr", "stdout"]  # no result, no partial
+
+
+def test_a_game_registered_in_ones_own_script_is_evaluated(tmp_path):
+    """docs/extending.md's MyGame, as written, registered in a script that then calls eval.main:
+    served on a thread of that process (a `python -m env_server` child would not know the game,
+    and the evaluation died in a 25-line traceback)."""
+    from test_extending import doc_block
+
+    script = tmp_path / "mygame_eval.py"
+    script.write_text(doc_block("extending.md", "class MyGame") +
+                      "\nimport sys\nimport eval\neval.main(eval.parse_args(sys.argv[1:]))\n")
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(script), "--env", "mygame", "--n", "2",
+                        "--max-turns", "3", "--max-new-tokens", "4", "--threads", "1",
+                        "--cache-dir", str(tmp_path / "cache"), "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--env mygame is registered by this script" in r.stderr and "Traceback" not in r.stderr
+    res = json.load(open(out))
+    assert [t["item_id"] for t in res["tasks"]] == [3] and res["overall"]["samples"] == 2
+    assert res["statuses"]["env_error"] == 0
+
+
+def test_a_dialogue_past_the_request_budget_ends_as_context_limit(tmp_path, corridor_url):
+    """An endpoint whose replies hold 90 KB (no move: the episode goes on): the dialogue sent each
+    turn grows by as much (once, 6 turns of 8 MB replies made requests of 42 MB). Past
+    --endpoint-max-context-kb 300 the request is not sent; the episode ends as context_limit,
+    scored as it stands."""
+    app, sizes = Flask("fake_chat_verbose"), []
+
+    @app.post("/v1/chat/completions")
+    def chat():
+        from flask import request
+        sizes.append(len(request.get_data()))
+        return jsonify({"choices": [{"message": {"role": "assistant", "content": "x" * 90_000}}]})
+
+    url, stop = serve_wsgi_in_thread(app)
+    try:
+        res = ev.main(ev.parse_args(["--env", "corridor", "--env-addr", corridor_url,
+                                     "--endpoint", url + "/v1", "--endpoint-model", "fake",
+                                     "--limit", "2", "--n", "1", "--max-turns", "10",
+                                     "--endpoint-max-context-kb", "300",
+                                     "--out", str(tmp_path / "ep.json")]))
+    finally:
+        stop()
+    assert res["statuses"]["context_limit"] == 2 and res["overall"]["samples"] == 2, res
+    # requests of about 1, 91, 181 and 271 KB were sent; the fifth, 361 KB, was not
+    assert len(sizes) == 8 and max(sizes) <= 300 * 1024, sizes
+    with open(tmp_path / "ep.rollouts.jsonl") as f:
+        assert [json.loads(x)["turns"] for x in f] == [4, 4]

@@ -1,13 +1,12 @@
-"""models/fast_hf.py: FastHFEngine samples what the plain hf_engine.HFEngine samples (the same
-ids from the same generator, the same log-probs: test_rollout.py checks the plain one's against a
-forward pass), keeps the conversation's cache across turns, and decodes only the rows still
-going."""
+"""hf_engine.HFEngine samples what it samples with its two speed-ups off, the plain sampler (a
+growing cache, every row decoded to the end): the same ids from the same generator, the same
+log-probs (test_rollout.py checks them against a forward pass); it keeps the conversation's cache
+across turns, and decodes only the rows still going."""
 
 import pytest
 import torch
 
 from engines import HFEngine, make_engine
-from models.fast_hf import FastHFEngine
 from models.tiny import build_model
 
 WHERE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -25,7 +24,8 @@ def test_the_fast_engine_samples_what_the_plain_one_samples(where):
     draw each row's token from the same stream (compaction included), so the same seed gives the
     same ids, and their log-probs agree to float rounding (a static cache against a growing one)."""
     model = tiny_model().to(where)
-    plain, fast = HFEngine(model, pad_id=0), FastHFEngine(model, pad_id=0)
+    plain = HFEngine(model, pad_id=0, static_cache=False, compact=False)
+    fast = HFEngine(model, pad_id=0)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16, 17, 18, 19]]
     for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
         for gen_device in {torch.device(where), torch.device("cpu")}:
@@ -37,11 +37,10 @@ def test_the_fast_engine_samples_what_the_plain_one_samples(where):
     assert fast.decoded_rows > 0
 
 
-def test_make_engine_builds_the_class_it_is_given():
+def test_make_engine_builds_the_hf_engine_on_the_trainers_model():
     model = torch.nn.Linear(2, 2)
-    assert type(make_engine("hf", model, "/unused", pad_id=3)) is HFEngine  # the core's default
-    engine = make_engine("hf", model, "/unused", pad_id=3, hf_class=FastHFEngine)
-    assert isinstance(engine, FastHFEngine) and engine.model is model and engine.pad_id == 3
+    engine = make_engine("hf", model, "/unused", pad_id=3)
+    assert type(engine) is HFEngine and engine.model is model and engine.pad_id == 3
     assert engine.sync_weights(model) == 0.0 and engine._kept is None
 
 
@@ -50,8 +49,8 @@ def test_the_cache_is_kept_across_turns():
     full encoding samples (greedy ids equal, log-probs to float rounding), with rows finishing in
     between and a new conversation joining. After an in-place weight change nothing is reused."""
     model = tiny_model()
-    kept = FastHFEngine(model, pad_id=0, max_batch=3)  # in chunks of 3: rows kept across chunks
-    fresh = FastHFEngine(model, pad_id=0)
+    kept = HFEngine(model, pad_id=0, max_batch=3)  # in chunks of 3: rows kept across chunks
+    fresh = HFEngine(model, pad_id=0)
     g = torch.Generator().manual_seed(1)
     rand = lambda n: [int(x) for x in torch.randint(4, 64, (n,), generator=g)]  # noqa: E731
     prompts = [rand(n) for n in (5, 17, 9, 30, 11)]
@@ -85,7 +84,7 @@ def test_only_the_rows_still_going_are_decoded():
     as decoding every row to the end (each row's sampling stream is unchanged), fewer rows computed,
     and the cache kept for the next turn still serves it (three turns with reuse=True)."""
     model = tiny_model()
-    compact, plain = FastHFEngine(model, pad_id=0), FastHFEngine(model, pad_id=0, compact=False)
+    compact, plain = HFEngine(model, pad_id=0), HFEngine(model, pad_id=0, compact=False)
     g = torch.Generator().manual_seed(3)
     prompts = [[int(x) for x in torch.randint(10, 64, (n,), generator=g)]
                for n in (4, 9, 13, 6, 21, 8, 5, 11)]

@@ -66,6 +66,14 @@ def test_a_study_runs_reports_and_is_skipped_when_done(tmp_path, capsys):
     assert pair["by_seed"]["seeds"] == [0] and pair["by_seed"]["ci95"] is None  # one seed
     assert pair["by_seed"]["change"] == pytest.approx(c["end"] - c["start"])
     assert os.path.getsize(out / "horizons.png") > 10_000
+    # the mechanisms' figures, read from the same runs
+    r = subprocess.run([sys.executable, "bench/horizon_mechanisms.py", str(out), "--early", "1",
+                        "--short", "2", "--long", "2,4"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    k2 = [m["success_rate"] for m in jsonl(runs["2"] / "metrics.jsonl")]
+    assert f"training success, steps 1-1, K=2: {100 * k2[0]:.1f}%" in r.stdout
+    assert "K=2, first: distance_" in r.stdout and "(1 seeds)" in r.stdout
     # again (in this process, the quicker): nothing is run, the report is written from the runs
     before = os.path.getmtime(runs["2"] / "metrics.jsonl")
     again = horizons.main([*ARMS, "--out", str(out), "--", *FAST, *cache])

@@ -2,8 +2,8 @@
 (every row forwarded even where its advantages are all 0, one row per pass instead of length
 buckets), an update on the same trajectories gives the same weights and loss in fp32, to 1e-6
 relative. Not to the bit: another grouping of rows into passes sums the gradient in another order
-(float addition is not associative). The samplers' side (the fast HF decoder against the plain
-one: the same samples) is tests/test_fast_hf.py's."""
+(float addition is not associative). The samplers' side (the HF engine's speed-ups on against
+off: the same samples) is tests/test_fast_hf.py's."""
 
 import copy
 import random

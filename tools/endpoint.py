@@ -4,7 +4,9 @@
 retrying failed requests; `ChatPolicy` is the policy rollout.rollout plays: it asks the endpoint for
 every active trajectory at once. A request that still fails is that trajectory's error (status
 env_error, counted as an endpoint error), never a reply and never a score of 0; so is an answer
-past the bounds (--endpoint-timeout-s in all, --endpoint-max-answer-kb, no redirects).
+past the bounds (--endpoint-timeout-s in all, --endpoint-max-answer-kb, no redirects). A request
+past --endpoint-max-context-kb (the whole dialogue, sent each turn) is not sent: the episode ends
+as context_limit, as a local engine's at --max-context.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from rollout import Reply, Trajectory
 ENDPOINT_ERROR = "endpoint"  # the EnvError kind of a failed chat request: Trajectory.error's prefix
 # A reply of a few thousand tokens is tens of KB of JSON; far more is an endpoint gone wrong.
 MAX_ANSWER_BYTES = 512 * 1024
+# A request holds the whole dialogue: 2 MB is some 500K tokens, past the context of most models.
+MAX_REQUEST_BYTES = 2048 * 1024
 
 
 def policy(cfg) -> ChatPolicy:
     """The policy eval.py's --endpoint flags describe."""
     chat = ChatEndpoint(cfg.endpoint, cfg.endpoint_model, cfg.temperature, cfg.top_p,
                         cfg.max_new_tokens, cfg.endpoint_timeout_s, cfg.endpoint_retries,
-                        cfg.endpoint_max_answer_kb * 1024)
+                        cfg.endpoint_max_answer_kb * 1024, cfg.endpoint_max_context_kb * 1024)
     return ChatPolicy(chat, cfg.endpoint_workers)
 
 
@@ -65,23 +69,27 @@ class ChatEndpoint:
     endpoint may be anyone's: each attempt ends within `timeout_s` in all, however slowly the
     answer trickles in (a timer shuts the socket down; a socket timeout only bounds each read); a
     redirect is not followed (it would send the dialogue elsewhere); at most `max_answer_bytes` are
-    read.
+    read. A request over `max_request_bytes` raises ContextFull, unsent.
     """
 
     def __init__(self, base_url: str, model: str, temperature: float, top_p: float, max_tokens: int,
                  timeout_s: float = 120.0, retries: int = 2,
-                 max_answer_bytes: int = MAX_ANSWER_BYTES):
+                 max_answer_bytes: int = MAX_ANSWER_BYTES,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.url = base_url.rstrip("/") + "/chat/completions"
         if wrong := address_error(base_url):
             raise ValueError(wrong)
         self.parts = urllib.parse.urlsplit(self.url)
         self.model, self.temperature, self.top_p = model, temperature, top_p
         self.max_tokens, self.max_answer_bytes = max_tokens, max_answer_bytes
+        self.max_request_bytes = max_request_bytes
         self.timeout_s, self.retries = timeout_s, retries
 
     def chat(self, messages: list[dict]) -> str:
         body = json.dumps({"model": self.model, "messages": messages, "top_p": self.top_p,
                            "temperature": self.temperature, "max_tokens": self.max_tokens}).encode()
+        if len(body) > self.max_request_bytes:
+            raise ContextFull(f"a request of {len(body)} bytes (--endpoint-max-context-kb)")
         last = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -142,6 +150,10 @@ class ChatEndpoint:
         return resp.status, data
 
 
+class ContextFull(Exception):
+    """The dialogue has outgrown the request budget: the episode's context limit, not an error."""
+
+
 class _NoAnswer(Exception):
     """An attempt that got no whole answer (connection, deadline, size): worth another try."""
 
@@ -154,15 +166,25 @@ def _shut(sock) -> None:
 class ChatPolicy:
     """rollout's policy for a chat endpoint: each active trajectory's messages go out in parallel
     (up to `workers` at once); the reply is text (no token row). A failed request is that
-    trajectory's error."""
+    trajectory's error; one past the request budget gets no reply (None: the rollout ends the
+    episode), and `finish`, which the rollout calls at its end, names its status context_limit."""
 
     def __init__(self, endpoint: ChatEndpoint, workers: int = 16):
         self.endpoint, self.pool = endpoint, ThreadPoolExecutor(max(1, workers))
+        self.full: list[Trajectory] = []  # ended by the budget, in this rollout
 
-    def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply | EnvError]:
+    def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply | EnvError | None]:
         def ask(t: Trajectory):
             try:
                 return Reply(self.endpoint.chat(t.messages))
             except EnvError as e:
                 return e
+            except ContextFull:
+                self.full.append(t)
+                return None
         return list(self.pool.map(ask, trajs))
+
+    def finish(self) -> None:
+        for t in self.full:
+            t.status = "context_limit"
+        self.full = []

@@ -33,6 +33,9 @@ class EvalConfig(cli.Shared):
                                     group='policy')
     endpoint_max_answer_kb: int = arg(512, "KiB a chat answer may hold; a longer one is the "
                                            "request's error", group='policy')
+    endpoint_max_context_kb: int = arg(2048, "KiB a chat request (the whole dialogue) may hold; "
+                                             "past it the episode ends as context_limit",
+                                       group='policy')
     endpoint_retries: int = arg(2, "extra attempts per failed chat request (no game is touched)",
                                 group='policy')
     endpoint_workers: int = arg(16, "chat requests in flight at once", group='policy')
@@ -75,7 +78,7 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
     if cfg.checkpoint:
         run_settings.take(p, cfg)  # the run's env, horizon and sampling, where no flag is given
     cli.check_positive(p, cfg, ("n", "max_turns", "max_new_tokens", "batch", "limit",
-                                "endpoint_max_answer_kb"))
+                                "endpoint_max_answer_kb", "endpoint_max_context_kb"))
     cli.check_ranges(p, cfg, {"temperature": "[0, inf)", "top_p": "(0, 1]",
                               "vllm_kv_tokens": "[0, inf)", "endpoint_retries": "[0, inf)",
                               "endpoint_timeout_s": "(0, inf)", "endpoint_workers": "[1, inf)"})
@@ -93,5 +96,7 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
     if cfg.out is None:
         cfg.out = (os.path.join(run_settings.run_folder(cfg.checkpoint), f"eval_{cfg.split}.json")
                    if cfg.checkpoint else f"eval_{cfg.env}_{cfg.split}.json")
+    if there := cli.file_in_the_way(os.path.dirname(os.path.abspath(cfg.out))):
+        p.error(f"--out {cfg.out}: {there} is a file, not a folder")
     eval_outputs.check_partial(p, cfg)  # a cut evaluation in OUT.partial.jsonl has these settings
     return cfg

@@ -22,7 +22,8 @@ from tools.endpoint import is_endpoint_error
 # ---------------------------------------------------------------- a cut evaluation, continued
 # Fields that do not change what is played: a cut evaluation continues under other values of these.
 FREE_TO_CHANGE = ("out", "threads", "curriculum", "endpoint_workers", "endpoint_timeout_s",
-                  "endpoint_retries", "endpoint_max_answer_kb", "vllm_kv_tokens")
+                  "endpoint_retries", "endpoint_max_answer_kb", "vllm_kv_tokens",
+                  "env_max_answer_mb")
 
 
 def partial_path(out: str) -> str:

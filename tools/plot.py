@@ -280,7 +280,7 @@ def plot_curves(specs: list[str], out: str, labels: list[str] | None = None) -> 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="run folders, each with metrics.jsonl")
     p.add_argument("--compare", action="append", default=None, metavar="START,END",

@@ -534,7 +534,7 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.viewer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders written by train.py --out, or eval.py's "
                                            "result files (their episodes beside them)")

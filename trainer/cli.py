@@ -59,6 +59,9 @@ class Shared:
                           "(cli.cpu_threads)", group="run")
     cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"),
                          "where built-in models are built once", group="run")
+    env_max_answer_mb: float = arg(4.0, "MiB an env server's answer may hold (/batch: each op's); "
+                                        "a longer one is that trajectory's env error",
+                                   group="faults")
 
 
 class Parser(argparse.ArgumentParser):
@@ -199,7 +202,13 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
         args = p.parse_args(argv)
     values = vars(args)
     values.pop("config")
-    return p, cls(**values)
+    cfg = cls(**values)
+    if isinstance(cfg, Shared):  # the cap of every env client made after (env_client.cap_answers)
+        from env_client import cap_answers
+
+        check_ranges(p, cfg, {"env_max_answer_mb": "(0, inf)"})
+        cap_answers(cfg.env_max_answer_mb)
+    return p, cfg
 
 
 def check_positive(p: argparse.ArgumentParser, cfg, names) -> None:
@@ -225,6 +234,14 @@ def check_ranges(p: argparse.ArgumentParser, cfg, ranges: dict[str, str]) -> Non
         else:
             what = f"in {interval}"
         p.error(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
+
+
+def file_in_the_way(folder: str) -> str | None:
+    """The file that keeps `folder` from being made: itself or a folder above it; None if none."""
+    there = os.path.normpath(folder)
+    while not os.path.exists(there) and os.path.dirname(there) not in ("", there):
+        there = os.path.dirname(there)
+    return there if os.path.exists(there) and not os.path.isdir(there) else None
 
 
 def check_device(p: argparse.ArgumentParser, name: str) -> None:

@@ -15,7 +15,7 @@ from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
 from trainer.checkpoints import find_checkpoint, load_data
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
-                         check_ranges, check_reporter, parse_config)
+                         check_ranges, check_reporter, file_in_the_way, parse_config)
 from trainer.report import REPORTERS
 import trainer.plateau  # noqa: F401,E402  registers --schedule-kind plateau
 
@@ -257,10 +257,8 @@ def flag_text(name: str, value) -> str:
 
 def check_out(p, out: str) -> None:
     """--out a folder that can be made: neither it nor a folder above it a file."""
-    there = os.path.normpath(out)
-    while not os.path.exists(there) and os.path.dirname(there) not in ("", there):
-        there = os.path.dirname(there)
-    if os.path.exists(there) and not os.path.isdir(there):
+    there = file_in_the_way(out)
+    if there:
         p.error(f"--out {out} is a file: give the run's folder" if there == os.path.normpath(out)
                 else f"--out {out}: {there} is a file, not a folder")
 

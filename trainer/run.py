@@ -30,7 +30,6 @@ from env_client import EnvError, EnvPool, Transport
 from trainer.tasks import spread
 from eval import held_out
 from models.builtin import resolve
-from models.fast_hf import FastHFEngine
 from models.policy import (Critic, Precision, dtype_name, load_model, load_tokenizer, pad_id,
                            prepare, resolve_dtype)
 from rollout import (ChatFormat, RolloutConfig, Trajectory, informative_groups, outcomes,
@@ -347,8 +346,7 @@ def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: tor
         engine = make_engine(kind, model, model_path, pad, batch=batch,
                              max_model_len=cfg.max_context, dtype=dtype_name(dtype),
                              seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                             enforce_eager=cfg.vllm_eager, kv_cache_tokens=cfg.vllm_kv_tokens,
-                             hf_class=FastHFEngine)
+                             enforce_eager=cfg.vllm_eager, kv_cache_tokens=cfg.vllm_kv_tokens)
     except ImportError as e:
         sys.exit(str(e))
     if kind == "vllm" and global_rank() == 0:

@@ -7,6 +7,7 @@ a run's config.json replayed with --config, flags beside it overriding it."""
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +54,20 @@ def test_help_shows_every_default_and_prints_percent_signs(script):
 def test_a_modules_usage_line_names_the_command_typed(module):
     r = run(["-m", module, "-h"])
     assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {module} "), r.stdout[:200]
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_a_ctrl_c_while_the_libraries_load_is_one_line(script, tmp_path):
+    """Whenever it lands (torch loading, the build, the run), a Ctrl-C is one line, no traceback."""
+    out = str(tmp_path / ("run" if script == "train.py" else "eval.json"))
+    p = subprocess.Popen([sys.executable, script, "--env", "corridor", "--out", out], cwd=ROOT,
+                         text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("Ctrl-C: stopped"), err[-500:]
 
 
 def test_env_server_help_points_to_each_envs_own_flags():
@@ -409,19 +424,21 @@ def test_a_resume_with_nothing_to_do_or_another_game_or_seed_writes_nothing(tmp_
 def test_summary_minutes_are_the_whole_runs_and_a_changed_batch_is_warned_of(tmp_path,
                                                                              two_step_run):
     """summary.json's minutes after a resume: the run's, every session's (the checkpoint keeps the
-    minutes up to it), not the last session's alone. A --batch-size other than the run's is taken
-    with a one-line warning."""
+    minutes up to it), not the last session's alone. A --batch-size or --group-size other than the
+    run's is taken with a one-line warning."""
     import shutil
 
     out = tmp_path / "run"
     shutil.copytree(two_step_run, out)
     first = json.load(open(out / "summary.json"))["minutes"]
     t0 = time.time()
-    r = run(["train.py", "--resume", "--out", str(out), "--steps", "3", "--batch-size", "4"])
+    r = run(["train.py", "--resume", "--out", str(out), "--steps", "3", "--batch-size", "4",
+             "--group-size", "3"])
     took = (time.time() - t0) / 60
     assert r.returncode == 0, r.stderr[-2000:]
-    assert ("train.py: warning: --resume: from step 3 --batch-size 4 (the run's: 2): the run is no "
-            "longer the one an unbroken run would be") in r.stderr
+    assert ("train.py: warning: --resume: from step 3 --batch-size 4 (the run's: 2), "
+            "--group-size 3 (the run's: 2): the run is no longer the one an unbroken run would "
+            "be") in r.stderr
     summary = json.load(open(out / "summary.json"))
     assert summary["steps"] == 3 and first < summary["minutes"] < first + took, (first, summary)
 

@@ -25,7 +25,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (trainer/cli.py)
 import time
 
-from trainer import ctrl_c  # noqa: F401 (first: a Ctrl-C while torch loads is one line)
 import torch
 from tqdm import tqdm
 

@@ -507,58 +507,6 @@ def test_an_out_without_a_folder_part_is_written_in_the_working_folder(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["cache", "x.json", "x.rollouts.jsonl"]
 
 
-def interrupted(cmd: list[str], tmp_path, ready) -> tuple[int, str]:
-    """Run `cmd` (its output in files: a full pipe would stall it), send it a SIGINT once
-    `ready(stdout)` holds (polled: no fixed sleep), -> (exit code, stderr)."""
-    import signal
-
-    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
-    try:
-        t0 = time.monotonic()
-        while not ready((tmp_path / "stdout").read_text()):
-            assert proc.poll() is None and time.monotonic() - t0 < 300, \
-                (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, (tmp_path / "stderr").read_text()
-
-
-def test_ctrl_c_while_episodes_play_keeps_the_chunks_played_in_one_line(tmp_path):
-    """Once a traceback; now one line naming what is kept (the ended chunks, in OUT.partial.jsonl),
-    exit 130. The signal comes once the first chunk is kept, with most of the 24 still to play."""
-    out = tmp_path / "r.json"
-    partial = tmp_path / "r.json.partial.jsonl"
-    code, err = interrupted([sys.executable, "eval.py", "--env", "corridor", "--n", "16",
-                             "--batch", "8", "--max-turns", "6", "--max-new-tokens", "8",
-                             "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
-                             "--out", str(out)],
-                            tmp_path, lambda _: partial.exists())
-    assert code == 130 and "Traceback" not in err, err[-3000:]
-    kept = len(partial.read_text().splitlines()) - 1
-    assert kept % 8 == 0 and 8 <= kept < 192 and not out.exists()
-    assert err.strip().splitlines()[-1] == (f"Ctrl-C: stopped; {kept} episodes kept in {partial}: "
-                                            "the same command continues from them")
-
-
-def test_ctrl_c_while_the_model_builds_is_one_line(tmp_path):
-    """eval.py builds the tiny model's warm start as train.py does (minutes, once): a Ctrl-C there
-    is one line, exit 130, and leaves no half-built folder."""
-    cache, out = tmp_path / "cache", tmp_path / "r.json"
-    code, err = interrupted([sys.executable, "eval.py", "--env", "textcraft", "--threads", "1",
-                             "--cache-dir", str(cache), "--out", str(out)], tmp_path,
-                            lambda stdout: "building the warm-started tiny model" in stdout)
-    assert code == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == (f"Ctrl-C: stopped building the tiny model in {cache} "
-                                            "(the stages built stay there); nothing played")
-    assert not [p for p in os.listdir(cache) if ".tmp" in p]
-    assert sorted(os.listdir(tmp_path)) == ["cache", "stderr", "stdout"]  # no result, no partial
-
-
 def test_a_game_registered_in_ones_own_script_is_evaluated(tmp_path):
     """docs/extending.md's MyGame, as written, registered in a script that then calls eval.main:
     served on a thread of that process (a `python -m env_server` child would not know the game,

@@ -49,6 +49,7 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -66,7 +67,7 @@ def _f32(x) -> torch.Tensor:
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """mean(x | mask) = sum(x * m) / sum(m), over all elements or along `dim`.
     An empty selection gives 0, not NaN (the denominator is clamped at 1, exact for 0/1 masks)."""
-    x, m = _f32(x), _f32(mask)
+    x, m = torch.as_tensor(x).float(), torch.as_tensor(mask).float()  # as _f32
     selected = torch.where(m > 0, x, 0.0)  # not x * m: an inf/NaN outside the mask must not leak in
     if dim is None:
         return selected.sum() / m.sum().clamp(min=1.0)
@@ -99,13 +100,16 @@ def _finite(scores, name: str = "scores") -> torch.Tensor:
     """The scores as float32, refused where one is NaN or infinite: it would turn its whole group
     (GRPO, RLOO) or batch (whitening) into NaN."""
     s = _f32(scores)
-    bad = ~torch.isfinite(s)
-    if bool(bad.any()):
-        rows = torch.nonzero(bad).flatten().tolist()[:5]
-        raise ValueError(f"{name} must be finite; rows {rows} hold {s[bad][:5].tolist()} (an env "
-                         "that returns NaN or infinity: env_client refuses such step answers as "
-                         "env errors)")
+    if not bool(torch.isfinite(s).all()):
+        _refuse_nonfinite(s, name)
     return s
+
+
+def _refuse_nonfinite(s: torch.Tensor, name: str):
+    bad = ~torch.isfinite(s)
+    rows = torch.nonzero(bad).flatten().tolist()[:5]
+    raise ValueError(f"{name} must be finite; rows {rows} hold {s[bad][:5].tolist()} (an env that "
+                     "returns NaN or infinity: env_client refuses such answers as env errors)")
 
 
 def _group_index(group_ids: torch.Tensor):
@@ -132,9 +136,8 @@ def grpo_advantages(scores, group_ids, eps: float = 1e-6, norm_std: bool = True)
     mean = _group_mean(s, index, n)
     sq_dev = _group_mean((s - mean) ** 2, index, n) * n  # sum over the group of squared deviations
     std = (sq_dev / (n - 1).clamp(min=1)).sqrt()
-    single = n < 2
-    mean = torch.where(single, 0.0, mean)
-    std = torch.where(single, 1.0, std)
+    mean = torch.where(n < 2, 0.0, mean)  # a group of one: its raw score (departure 4)
+    std = torch.where(n < 2, 1.0, std)
     return (s - mean) / (std + eps) if norm_std else s - mean
 
 
@@ -329,8 +332,7 @@ def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[li
 
 # ------------------------------------------------------------------- the estimators, by name
 # --algo NAME runs ESTIMATORS[NAME]: AdvantageInputs -> (advantages (B, T), returns (B, T) or None),
-# 0 off the sampled tokens. critic=True: it gets the critic's values and returns its targets (PPO).
-# An unknown name is refused (`estimator`), never run as another.
+# 0 off the sampled tokens; critic=True: given the critic's values. Unknown names: `estimator`.
 @dataclass
 class AdvantageInputs:
     scores: torch.Tensor  # (B,) outcome reward of each trajectory
@@ -416,19 +418,16 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "seq_m
         token_mean:          sum_{b,t} m l / sum_{b,t} m     (every token weighs the same)
         seq_mean_token_mean: mean_b [ sum_t m l / sum_t m ]  (every trajectory; upstream default)
         seq_mean_token_sum:  mean_b [ sum_t m l ]            (Dr. GRPO, Liu et al. 2025)
-    Rows without a sampled token count in no mean (departure 5); none at all: 0, still attached to
-    the graph, so backward() works."""
+    Rows without sampled tokens are in no mean (departure 5); none at all: 0 (backward() works)."""
     assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}"
     m = _f32(loss_mask)
-    # where() rather than l * m: an inf or NaN at an unsampled position must not leak into the sum
-    masked = torch.where(m > 0, loss_mat.float(), 0.0)  # (B, T)
     if mode == "token_mean":
-        return masked.sum() / m.sum().clamp(min=1.0)
-    tokens = m.sum(dim=1)  # (B,)
-    per_seq = masked.sum(dim=1)  # (B,)
+        return masked_mean(loss_mat, m)
     if mode == "seq_mean_token_mean":
-        per_seq = per_seq / tokens.clamp(min=1.0)
-    return per_seq.sum() / (tokens > 0).sum().clamp(min=1)
+        per_seq = masked_mean(loss_mat, m, dim=1)  # (B,)
+    else:  # where(), not l * m: an inf or NaN off the mask must not leak in (as masked_mean)
+        per_seq = torch.where(m > 0, loss_mat.float(), 0.0).sum(dim=1)  # (B,)
+    return per_seq.sum() / (m.sum(dim=1) > 0).sum().clamp(min=1)
 
 
 def agg_denominator(loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean") -> float:
@@ -458,11 +457,9 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)  # = -min(...) of the surrogate
-    dual_hit = torch.zeros_like(loss_mat, dtype=torch.bool)
-    if dual_clip is not None:
-        cap = -adv * dual_clip
-        dual_hit = (adv < 0) & (loss_mat > cap)
-        loss_mat = torch.where(dual_hit, cap, loss_mat)
+    cap = torch.inf if dual_clip is None else -adv * dual_clip  # None: no dual clip
+    dual_hit = (adv < 0) & (loss_mat > cap)
+    loss_mat = torch.where(dual_hit, cap, loss_mat)
     if token_weights is not None:
         loss_mat = loss_mat * _f32(token_weights)
     loss = agg_loss(loss_mat, loss_mask, agg)
@@ -558,7 +555,7 @@ def token_logprobs(model, rows: dict, temperature: float, mask=None, with_entrop
     if sel is None:
         logits = model(**ids).logits[:, :-1].float()  # (b, T-1, V)
     else:
-        head = getattr(model, "masked_logits", None) or (lambda **kw: masked_logits(model, **kw))
+        head = getattr(model, "masked_logits", None) or partial(masked_logits, model)
         logits = head(sel=sel, **ids).float()  # (n, V); under FSDP the model's own bound method
         targets = targets[sel]
     if temperature > 0:
@@ -578,23 +575,26 @@ def masked_logits(model, sel=None, **ids) -> torch.Tensor:
     return model.get_output_embeddings()(h if sel is None else h[sel])
 
 
-_HEAD_SPLIT: dict = {}
+_HEAD_SPLIT: dict = {}  # (model class, dtype) -> head_split_ok
 
 
 def head_split_ok(model) -> bool:
-    """Whether model(x).logits == output_embeddings(base_model(x).last_hidden_state), once per model
-    class and dtype: true of Llama, Qwen, Mistral, Phi; not where logits are scaled or capped."""
-    dtype = next(model.parameters()).dtype
-    key = (type(model), dtype)
+    """model(x).logits == output_embeddings(base_model(x).last_hidden_state)? Once per model class
+    and dtype: true of Llama, Qwen, Mistral, Phi; not where logits are scaled or capped."""
+    key = (type(model), next(model.parameters()).dtype)
     if key not in _HEAD_SPLIT:
-        try:
-            with torch.no_grad():
-                x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
-                full = model(input_ids=x).logits[:, :-1]
-                split = (getattr(model, "masked_logits", None)
-                         or (lambda **kw: masked_logits(model, **kw)))(input_ids=x)
-            tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
-            _HEAD_SPLIT[key] = bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
-        except Exception:  # no base_model / output embeddings in the usual places
-            _HEAD_SPLIT[key] = False
+        _HEAD_SPLIT[key] = _check_head_split(model, key[1])
     return _HEAD_SPLIT[key]
+
+
+def _check_head_split(model, dtype: torch.dtype) -> bool:
+    try:
+        with torch.no_grad():
+            x = torch.arange(1, 9, device=model.device)[None] % model.config.vocab_size
+            full = model(input_ids=x).logits[:, :-1]
+            head = getattr(model, "masked_logits", None) or partial(masked_logits, model)
+            split = head(input_ids=x)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+        return bool(torch.allclose(full.float(), split.float(), atol=tol, rtol=tol))
+    except Exception:  # no base_model / output embeddings in the usual places
+        return False

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -97,7 +98,7 @@ def _watch() -> None:
 
 def cap_answers(mb: float) -> None:
     """--env-max-answer-mb: the answer cap of the env clients this process makes from now on (the
-    scripts make their pools from an address alone, in rollout.py and trainer/run.py)."""
+    scripts make their pools from an address alone, in rollout.py and trainer/setup.py)."""
     global MAX_ANSWER_BYTES
     MAX_ANSWER_BYTES = max(1, int(mb * 2**20))
 
@@ -153,21 +154,25 @@ class Transport:
             r.release_conn()
             return r.status, data
         except (urllib3.exceptions.HTTPError, OSError) as e:
-            timed_out = isinstance(e, urllib3.exceptions.TimeoutError) and not isinstance(
-                e, urllib3.exceptions.NewConnectionError)  # (a refusal, despite its class)
-            if timed_out or time.monotonic() >= deadline:
-                raise EnvError("timeout", f"{method} {path}: no complete answer within the "
-                                          f"{self.timeout:g} s deadline ({e})") from None
-            raise EnvError("connection", f"{method} {path} to {self.base_url}: "
-                                         f"{type(e).__name__}: {e}") from None
+            raise self._failure(method, path, e, deadline) from None
         finally:
             with _lock:
                 del _calls[me]
 
-    def request(self, method: str, path: str, payload=None, retry: bool = False,
-                answers: int = 1):
-        """The decoded JSON answer, or EnvError; `retry` (never for a step) allows `retries` more
-        attempts after a timeout or a lost connection; `answers`: the ops a /batch answer holds."""
+    def _failure(self, method: str, path: str, e: Exception, deadline: float) -> EnvError:
+        """An attempt urllib3 or its socket gave up: "timeout" (urllib3's, or past the deadline,
+        where the watchdog shut the socket down) or "connection"."""
+        timed_out = isinstance(e, urllib3.exceptions.TimeoutError) and not isinstance(
+            e, urllib3.exceptions.NewConnectionError)  # (a refusal, despite its class)
+        if timed_out or time.monotonic() >= deadline:
+            return EnvError("timeout", f"{method} {path}: no complete answer within the "
+                                       f"{self.timeout:g} s deadline ({e})")
+        return EnvError("connection", f"{method} {path} to {self.base_url}: "
+                                      f"{type(e).__name__}: {e}")
+
+    def request(self, method: str, path: str, payload=None, retry: bool = False, answers: int = 1):
+        """The decoded JSON answer, or EnvError; `retry`: `retries` more attempts (never a step's);
+        `answers`: the ops a /batch answer holds."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
         attempts = 1 + (self.retries if retry else 0)
@@ -185,25 +190,29 @@ def _decode(method: str, path: str, status: int, data: bytes):
     try:
         out = json.loads(data) if data else None
     except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json's stack
-        what = "nested too deep" if isinstance(e, RecursionError) else "not JSON"
-        raise EnvError("protocol" if status == 200 else "http",
-                       f"{method} {path}: answer is {what}: {data[:200]!r}", status) from None
-    if status != 200:
-        msg = out.get("error") if isinstance(out, dict) else None
-        raise EnvError("http", f"{method} {path}: {msg if msg else repr(data[:200])}", status)
-    if isinstance(out, dict) and "error" in out and out["error"] is not None:
-        raise EnvError("env", f"{method} {path}: {out['error']}")  # AgentGym's HTTP-200 error
+        raise _refusal(method, path, status, data, e) from None
+    if status != 200 or isinstance(out, dict) and out.get("error") is not None:
+        raise _refusal(method, path, status, data, out)
     return out
 
 
+def _refusal(method: str, path: str, status: int, data: bytes, out) -> EnvError:
+    """Why an answer is no success; `out`: its JSON, or the error json.loads raised."""
+    if isinstance(out, (ValueError, RecursionError)):
+        what = "nested too deep" if isinstance(out, RecursionError) else "not JSON"
+        return EnvError("protocol" if status == 200 else "http",
+                        f"{method} {path}: answer is {what}: {data[:200]!r}", status)
+    if status != 200:
+        msg = out.get("error") if isinstance(out, dict) else None
+        return EnvError("http", f"{method} {path}: {msg if msg else repr(data[:200])}", status)
+    return EnvError("env", f"{method} {path}: {out['error']}")  # AgentGym's HTTP-200 error
+
+
 def _number(raw: dict, key: str) -> float:
-    """raw[key] as a finite float: not NaN or Infinity (json.loads reads them), not a bool."""
+    """raw[key] as a finite float, not a bool (json.loads reads NaN, Infinity, ints past 1e308)."""
     v = raw[key]
-    try:
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            return float(v)
-    except OverflowError:  # an int too large for a float
-        pass
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max:
+        return float(v)
     raise EnvError("protocol", f"step answer with {key}={v!r}: not a finite number")
 
 
@@ -235,8 +244,7 @@ def _obs_from(raw) -> str:
     if isinstance(raw, dict) and "observation" in raw:
         task = raw.get("task_description")  # SciWorld's /reset: the task, shown once, then the view
         raw = str(raw["observation"]) if task is None else f"{task}\n{raw['observation']}"
-    text = raw if isinstance(raw, str) else json.dumps(raw)
-    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")  # _text
+    return _text(raw if isinstance(raw, str) else json.dumps(raw))
 
 
 def _text(x) -> str:
@@ -327,6 +335,14 @@ def train_reward(env: str, value: float) -> float:  # the rollout applies it to 
 
 
 # ---------------------------------------------------------------- many instances
+def _guarded(fn, x):
+    """fn(x), or the EnvError it raised: one instance's failure never stops the others."""
+    try:
+        return fn(x)
+    except EnvError as e:
+        return e
+
+
 class EnvPool:
     """`size` instances on one server, reset and stepped together: through `/batch` where the
     server has it, else one request per instance from `workers` threads. A failure comes back as
@@ -359,15 +375,10 @@ class EnvPool:
             return None  # AgentGym's health answers plain text; fall back to single requests
 
     def _map(self, fn, items) -> list:
-        def guarded(x):
-            try:
-                return fn(x)
-            except EnvError as e:
-                return e
-        return list(self.executor.map(guarded, items))
+        return list(self.executor.map(functools.partial(_guarded, fn), items))
 
-    def _batch(self, ops: list[dict]) -> list:
-        """Send ops in chunks, in parallel; each op's answer, or its EnvError."""
+    def _batch(self, ops: list[dict], parse) -> list:
+        """Send ops in chunks, in parallel; each op's answer read by `parse`, or its EnvError."""
         chunks = [ops[i:i + self.batch_chunk] for i in range(0, len(ops), self.batch_chunk)]
         retry = all(op["op"] != "step" for op in ops)
 
@@ -383,27 +394,35 @@ class EnvPool:
             except (KeyError, TypeError):
                 return [EnvError("protocol", "/batch answer without a results list")] * len(chunk)
             return [EnvError("http", r["error"], r.get("status"))
-                    if isinstance(r, dict) and "error" in r else r for r in res]
-
+                    if isinstance(r, dict) and "error" in r else _guarded(parse, r) for r in res]
         return [r for part in self.executor.map(send, chunks) for r in part]
 
     def reset(self, item_ids: list[int | None]) -> list[str | EnvError | None]:
-        """Reset instance i to task item_ids[i] (None: leave it alone) -> first observations. An
-        instance that is gone (server restarted, hung, never made) is replaced and reset again."""
+        """Reset instance i to task item_ids[i] (None: leave it alone) -> first observations."""
         assert len(item_ids) == self.size, f"need {self.size} item ids, got {len(item_ids)}"
-        todo = [i for i, t in enumerate(item_ids) if t is not None]
         out: list = [None] * self.size
-        for again in (False, True):
-            if again:
-                todo = [i for i in todo if isinstance(out[i], EnvError) and out[i].instance_lost]
-            renew = [i for i in todo if again or self.clients[i] is None]
-            for i, made in zip(renew, self._map(self._renew, renew)):
+        todo = [i for i, t in enumerate(item_ids) if t is not None]
+        ready = self._live(todo, out)
+        for i, r in zip(ready, self._reset_now(ready, item_ids)):
+            out[i] = r
+        lost = [i for i in todo if isinstance(out[i], EnvError) and out[i].instance_lost]
+        if lost:
+            self._reset_anew(out, lost, item_ids)
+        return out
+
+    def _reset_anew(self, out: list, lost: list[int], item_ids) -> None:
+        """Reset's recovery: a new instance in each slot of `lost` (gone with its server, hung, or
+        never made), then its reset. A slot that held none (its last create failed) gets a
+        second round if the first ends lost too: its new instance may be lost as any other."""
+        empty = [i for i in lost if self.clients[i] is None]
+        for _ in range(2):
+            for i, made in zip(lost, self._map(self._renew, lost)):
                 if isinstance(made, EnvError):
                     out[i] = made
-            ready = [i for i in todo if self.clients[i] is not None]
+            ready = [i for i in lost if self.clients[i] is not None]
             for i, r in zip(ready, self._reset_now(ready, item_ids)):
                 out[i] = r
-        return out
+            lost = [i for i in empty if isinstance(out[i], EnvError) and out[i].instance_lost]
 
     def _renew(self, i: int) -> None:
         """A new instance in slot i; the old one is closed if its server still knows it."""
@@ -417,35 +436,31 @@ class EnvPool:
 
     def _reset_now(self, todo: list[int], item_ids) -> list:
         if self.use_batch:
-            res = self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]}
-                               for i in todo])
-            return [r if isinstance(r, EnvError) else _obs_from(r) for r in res]
+            return self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]}
+                                for i in todo], _obs_from)
         return self._map(lambda i: self.clients[i].reset(item_ids[i]), todo)
 
     def step(self, actions: list[str | None]) -> list[Step | EnvError | None]:
         """Step instance i with actions[i] (None: skip it, e.g. a finished trajectory)."""
         assert len(actions) == self.size, f"need {self.size} actions, got {len(actions)}"
-        todo = [i for i, a in enumerate(actions) if a is not None]
         out: list = [None] * self.size
+        todo = self._live([i for i, a in enumerate(actions) if a is not None], out)
+        if self.use_batch:
+            ops = [{"op": "step", "id": self.clients[i].id, "action": actions[i]} for i in todo]
+            res = self._batch(ops, _step_from)
+        else:
+            res = self._map(lambda i: self.clients[i].step(actions[i]), todo)
+        for i, r in zip(todo, res):
+            out[i] = r
+        return out
+
+    def _live(self, todo: list[int], out: list) -> list[int]:
+        """The slots in todo that hold an instance; each other one's out says it holds none."""
         for i in todo:
             if self.clients[i] is None:
                 out[i] = EnvError("connection", f"pool slot {i} has no instance (lost with its "
                                                 "server)")
-        todo = [i for i in todo if out[i] is None]
-        if self.use_batch:
-            res = self._batch([{"op": "step", "id": self.clients[i].id, "action": actions[i]}
-                               for i in todo])
-            for i, r in zip(todo, res):
-                if not isinstance(r, EnvError):
-                    try:
-                        r = _step_from(r)
-                    except EnvError as e:
-                        r = e
-                out[i] = r
-        else:
-            for i, r in zip(todo, self._map(lambda i: self.clients[i].step(actions[i]), todo)):
-                out[i] = r
-        return out
+        return [i for i in todo if self.clients[i] is not None]
 
     def close(self) -> None:
         live = [c for c in self.clients if c is not None and not c.closed]

@@ -12,6 +12,10 @@ multi-turn conversations without changing a sample (bench/turn_cache.py times ea
   The cache is transformers' StaticCache, allocated once per call and written in place (a growing
   cache is re-concatenated at every token: more than the model costs on long prompts).
 - Finished rows dropped: once half of the rows being decoded have stopped, the others go on alone.
+Both write into the cache's layers, so the engine checks once, when built, that they are the ones
+each knows: a model transformers has no StaticCache for samples with a growing cache and neither;
+reuse needs plain StaticLayers (a sliding window's rolls its columns), compaction those or sliding
+windows (the layers of hybrid or indexed-attention models hold more than keys and values).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 
 @dataclass
@@ -32,14 +38,24 @@ class Sample:
 class HFEngine:
     """Log-probs are those of the tempered distribution, log softmax(logits / temperature), before
     top-p truncation: the trainer computes its own the same way, so the PPO ratio is 1 on-policy.
-    `static_cache=False` (a growing cache, so no reuse) and `compact=False` turn a feature off."""
+    `static_cache=False` (a growing cache, so no reuse) and `compact=False` turn a feature off.
+    The methods are VLLMEngine's; `sync_weights` and `sleep` have nothing to copy or free."""
 
     def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True,
                  compact: bool = True):
         self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
-        self.static_cache = static_cache  # False also where transformers has none for the model
-        self.compact = compact  # decode only the rows still generating once half have stopped
-        self.reuse_ok = True  # False once the cache's layout is not the one _seed knows
+        kinds = _static_layer_types(model) if static_cache else set()
+        self.static_cache = bool(kinds)
+        # the features the cache's layers allow (module docstring); bench/turn_cache.py turns off
+        # reuse_ok or compact to time one
+        self.reuse_ok = kinds == {StaticLayer}
+        self.compact = (compact and self.static_cache
+                        and kinds <= {StaticLayer, StaticSlidingWindowLayer})
+        # the LM head on the last position only, where the model allows it: a prompt's other
+        # logits are never read, and with a 49k-token vocabulary they cost a fifth of a prefill
+        self.forward_kw = {}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            self.forward_kw["logits_to_keep"] = 1
         self._kept = None  # the previous call's rows, for reuse=True
         # prompt tokens taken from the kept cache / encoded, and rows computed over all decoding
         # steps (fewer than steps x rows with compaction): bench/turn_cache.py prints them
@@ -51,7 +67,7 @@ class HFEngine:
         return next(self.model.parameters()).dtype
 
     def sync_weights(self, model) -> float:
-        self.model = model  # same process, same object: nothing to copy
+        self.model = model  # the one it was built with (same process): nothing to copy
         self.forget()
         return 0.0
 
@@ -59,12 +75,10 @@ class HFEngine:
         """Drop the rows kept for the next turn."""
         self._kept = None
 
-    def sleep(self) -> None:
-        """Nothing to free: the trainer's own model generates (VLLMEngine has the same methods)."""
-        self.forget()
+    sleep = forget
 
     def wake_up(self) -> None:
-        """See sleep."""
+        """Nothing to bring back (see sleep)."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
@@ -73,7 +87,7 @@ class HFEngine:
         """Samples for `prompts`, `max_batch` rows per model call. With `reuse`, the rows are kept
         for the next call (rollout() calls forget() at the end); kept rows are not used once the
         weights have changed in place (an optimizer step bumps each tensor's version counter)."""
-        reuse = reuse and self.reuse_ok and self.static_cache
+        reuse = reuse and self.reuse_ok
         version = [p._version for p in self.model.parameters()]
         kept, self._kept = self._kept, None
         if not reuse or (kept is not None and kept["version"] != version):
@@ -100,31 +114,28 @@ class HFEngine:
         return out
 
     def _batch(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept):
-        """One model call over the prompts (prefill, from the first column the kept rows do not
-        hold), then one per new token (decode) until every row has sampled a stop id or
-        max_new_tokens. Returns the samples, each cut after its stop id, the cache, and the column
-        each prompt starts at."""
+        """Prefill (from the first column the kept rows do not hold), then one model call per new
+        token until every row has sampled a stop id or max_new_tokens. Returns the samples, each
+        cut after its stop id, the cache, and the column each prompt starts at."""
         device = next(self.model.parameters()).device
         ids, attn, pos = left_pad(prompts, self.pad_id, device)
         B, L = ids.shape
         starts = [L - len(p) for p in prompts]
-        cache, first = self._new_cache(L + max_new_tokens), 0
-        if kept is not None and cache is not None:
+        cache, first = None, 0
+        if self.static_cache:
+            cache = StaticCache(config=self.model.config, max_cache_len=L + max_new_tokens)
+        if kept is not None:
             # encode columns [first, L) only; a row whose reuse ends before `first` re-encodes a
             # few of its kept tokens, to the same keys and values
-            hits = self._matches(prompts, kept["rows"])
+            hits = _matches(prompts, kept["rows"])
             first = min(s + n for s, (_, n) in zip(starts, hits))
-            if first > 0 and not self._seed(cache, kept["rows"], hits, starts, first):
-                first, cache = 0, self._new_cache(L + max_new_tokens)  # a clean one
+            if first > 0:
+                _seed(cache, kept["rows"], hits, starts, first)
         self.reused_tokens += sum(first - s for s in starts if s < first)
         self.encoded_tokens += sum(L - max(s, first) for s in starts)
         ids, pos = ids[:, first:], pos[:, first:]
-        kw = {"cache_position": torch.arange(first, L, device=device)}
-        # the LM head on the last position only, where the model allows it: a prompt's other
-        # logits are never read, and with a 49k-token vocabulary they cost a fifth of a prefill
-        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
-            kw["logits_to_keep"] = 1
-        live = _Compacted(cache, B) if self.compact and cache is not None and B > 1 else None
+        kw = {"cache_position": torch.arange(first, L, device=device), **self.forward_kw}
+        live = _Compacted(cache, B) if self.compact and B > 1 else None
         stop = torch.tensor(stop_ids, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         new_ids, new_lps = [], []
@@ -157,64 +168,53 @@ class HFEngine:
                               stop_ids)
         return samples, cache, starts
 
-    def _new_cache(self, length: int):
-        """transformers' StaticCache of `length` positions, or None (a growing cache) where it has
-        none for the model or `static_cache` is off."""
-        if not self.static_cache:
-            return None
-        try:
-            from transformers import StaticCache
-            return StaticCache(config=self.model.config, max_cache_len=length)
-        except Exception:  # an older transformers or a model it does not support
-            self.static_cache = False
-            return None
 
-    @staticmethod
-    def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
-        """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same
-        order, less the finished ones, so a forward scan finds them."""
-        found, j = [], 0
-        for p in prompts:
-            hit = (-1, 0)
-            for k in range(j, len(rows)):
-                # at least one prompt token is encoded: it yields the logits
-                n = min(rows[k]["valid"], len(p) - 1)
-                if n > 0 and p[:n] == rows[k]["ids"][:n]:
-                    hit, j = (k, n), k + 1
-                    break
-            found.append(hit)
-        return found
+def _matches(prompts: list[list[int]], rows: list[dict]) -> list[tuple[int, int]]:
+    """For each prompt, (kept row, tokens reusable) or (-1, 0). Rows come back in the same
+    order, less the finished ones, so a forward scan finds them."""
+    found, j = [], 0
+    for p in prompts:
+        hit = (-1, 0)
+        for k in range(j, len(rows)):
+            # at least one prompt token is encoded: it yields the logits
+            n = min(rows[k]["valid"], len(p) - 1)
+            if n > 0 and p[:n] == rows[k]["ids"][:n]:
+                hit, j = (k, n), k + 1
+                break
+        found.append(hit)
+    return found
 
-    def _seed(self, cache, rows: list[dict], hits, starts, first: int) -> bool:
-        """Write into `cache` (a fresh StaticCache), for each prompt with a hit, the kept keys and
-        values of its reused tokens at the prompt's own columns; False where the cache's layout is
-        not the one expected (then every prompt is encoded in full)."""
-        try:
-            for i, layer in enumerate(cache.layers):
-                for b, (r, n) in enumerate(hits):
-                    if r < 0:
-                        continue
-                    old, src, old_b = rows[r]["cache"].layers[i], rows[r]["start"], rows[r]["b"]
-                    if not layer.is_initialized:  # allocated like the kept one, for B rows
-                        layer.lazy_initialization(old.keys[:1].expand(len(hits), -1, -1, -1),
-                                                  old.values[:1].expand(len(hits), -1, -1, -1))
-                    layer.keys[b, :, starts[b]:starts[b] + n] = old.keys[old_b, :, src:src + n]
-                    layer.values[b, :, starts[b]:starts[b] + n] = old.values[old_b, :, src:src + n]
-                if not layer.is_initialized:
-                    return False
-                layer.cumulative_length.fill_(first)  # where the prefill's keys go
-            return True
-        except (AttributeError, TypeError, RuntimeError, IndexError):  # another cache layout
-            self.reuse_ok = False
-            return False
+
+def _seed(cache, rows: list[dict], hits, starts, first: int) -> None:
+    """Write into `cache` (a fresh StaticCache), for each prompt with a hit, the kept keys and
+    values of its reused tokens at the prompt's own columns."""
+    for i, layer in enumerate(cache.layers):
+        for b, (r, n) in enumerate(hits):
+            if r < 0:
+                continue
+            old, src, old_b = rows[r]["cache"].layers[i], rows[r]["start"], rows[r]["b"]
+            if not layer.is_initialized:  # allocated like the kept one, for B rows
+                layer.lazy_initialization(old.keys[:1].expand(len(hits), -1, -1, -1),
+                                          old.values[:1].expand(len(hits), -1, -1, -1))
+            layer.keys[b, :, starts[b]:starts[b] + n] = old.keys[old_b, :, src:src + n]
+            layer.values[b, :, starts[b]:starts[b] + n] = old.values[old_b, :, src:src + n]
+        layer.cumulative_length.fill_(first)  # where the prefill's keys go
+
+
+def _static_layer_types(model) -> set[type]:
+    """The classes of the layers of a StaticCache for `model`: none where transformers has no
+    StaticCache for it."""
+    try:
+        return {type(x) for x in StaticCache(config=model.config, max_cache_len=1).layers}
+    except Exception:  # a model transformers' StaticCache does not support
+        return set()
 
 
 class _Compacted:
-    """The rows of a decoding batch still being computed: `rows` (None: all B) are their indices.
-    Once half of those computed have stopped, `shrink` drops the stopped ones, moving the others'
-    keys and values into a smaller copy of each cache layer; `restore` writes the computed rows
-    back into the full layers and puts those back, so that the cache can be kept for the next turn
-    (a stopped row's columns after its stop keep what they held: nothing reads them)."""
+    """The rows of a decoding batch still computed, `rows` (None: all B). Once half of them have
+    stopped, `shrink` moves the others' keys and values into a smaller copy of each cache layer;
+    `restore` writes them back into the full layers, kept for the next turn (a stopped row's
+    columns after its stop keep what they held: nothing reads them)."""
 
     def __init__(self, cache, B: int):
         self.layers, self.B = cache.layers, B
@@ -230,12 +230,8 @@ class _Compacted:
         keep = (~done[rows]).nonzero().squeeze(1)
         if len(keep) > len(rows) // 2:
             return ids, pos, attn
-        if self.full is not None:
-            self.restore()
-        elif all(isinstance(getattr(x, "keys", None), torch.Tensor) for x in self.layers):
-            self.full = [(x.keys, x.values) for x in self.layers]
-        else:  # a layer that holds no keys and values: never compacted
-            return ids, pos, attn
+        self.restore()  # the rows computed so far back into the full layers, then a new selection
+        self.full = [(x.keys, x.values) for x in self.layers]
         self.rows = rows[keep]
         for x, (k, v) in zip(self.layers, self.full):
             x.keys, x.values = k.index_select(0, self.rows), v.index_select(0, self.rows)
@@ -276,21 +272,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
            generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from fp32 logits (B, V), and its log-prob under log softmax(logits / T),
     before top-p truncation (the trainer's side computes the same); temperature 0 is greedy."""
-    if temperature > 0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, -1)
     if temperature <= 0:
+        logp = torch.log_softmax(logits, -1)
         nxt = logp.argmax(-1)
     else:
+        logp = torch.log_softmax(logits / temperature, -1)
         probs = logp.exp()
         if top_p < 1.0:
             probs = _top_p_filter(probs, top_p)
-        if generator is not None and generator.device.type != probs.device.type:
-            # a CPU generator driving a model elsewhere: draw on the CPU (slower, same stream)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
-            nxt = nxt.to(probs.device)
-        else:
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        # on the generator's device: a CPU one driving a GPU model draws on the CPU (same stream)
+        where = probs.device if generator is None else generator.device
+        nxt = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1)
+        nxt = nxt.to(probs.device)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
 

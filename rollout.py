@@ -35,6 +35,8 @@ class ChatFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; use an instruct/chat model's")
         self.tok = tokenizer
+        self._dialog = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        self._gen_prompt = self._render(self._dialog[:1], gen=True)  # what a reply follows
         anchor = self.encode(self._after_reply("x"))
         first = anchor[0] if anchor else None
         special = (set(tokenizer.all_special_ids)
@@ -56,9 +58,8 @@ class ChatFormat:
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _after_reply(self, observation: str) -> str:
-        base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-        head = self._render(base[:1], gen=True) + "A"
-        full = self._render(base + [{"role": "user", "content": observation}], gen=True)
+        head = self._gen_prompt + "A"
+        full = self._render(self._dialog + [{"role": "user", "content": observation}], gen=True)
         if not full.startswith(head):
             raise ValueError("the chat template does not render an assistant turn as prompt + "
                              "content; cannot build observation turns from it")
@@ -71,8 +72,7 @@ class ChatFormat:
         """Written text (an expert's) as the ids the policy would sample, then the end-of-turn
         token: tokenised after the generation prompt, as in the full template (SentencePiece
         encodes a string's first word differently)."""
-        head = self._render([{"role": "user", "content": "U"}], gen=True)
-        h, full = self.encode(head), self.encode(head + reply)
+        h, full = self.encode(self._gen_prompt), self.encode(self._gen_prompt + reply)
         ids = full[len(h):] if full[:len(h)] == h else self.encode(reply)
         return ids + [self.eot_id]
 
@@ -120,6 +120,13 @@ class Trajectory:
     @property
     def finished(self) -> bool:
         return self.status != "running"
+
+    def append_ids(self, ids: list[int], sampled: bool = False,
+                   logprobs: list[float] | None = None) -> None:
+        """Grow the row: ids with loss mask 1 and the sampler's log-probs if sampled, else 0s."""
+        self.token_ids += ids
+        self.loss_mask += [int(sampled)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
 def is_success(t: Trajectory) -> bool:
@@ -233,8 +240,7 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
                max_turns: int) -> None:
     """One turn's env side for the trajectories that replied (moves[i] = agents[i].act(reply)):
     one batched step; then each gets its next user message (the agent's rendering of the answer, or
-    its note where nothing was stepped), its reward on the trainer's 0-1 scale and its status. An
-    agent's retry resets the env to the same task, and the reward to 0."""
+    its note where nothing was stepped), its reward on the trainer's 0-1 scale and its status."""
     results = pool.step([moves[i].action if i in moves else None for i in range(pool.size)])
     retry = []
     for i, move in moves.items():
@@ -255,17 +261,22 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
         elif t.turns >= max_turns:
             t.status = "max_turns"
     if retry:
-        firsts = pool.reset([trajs[i].item_id if i in retry else None for i in range(pool.size)])
-        for i in retry:
-            if isinstance(firsts[i], EnvError):
-                trajs[i].status, trajs[i].error = "env_error", str(firsts[i])
-            else:
-                agents[i].restart(firsts[i])
-                trajs[i].reward = 0.0
+        _retry(pool, trajs, agents, retry)
     for i in moves:  # after the resets: a retried attempt's reward is taken back on its last turn
         t = trajs[i]
         if t.status != "env_error":
             t.turn_rewards.append(t.reward - sum(t.turn_rewards))
+
+
+def _retry(pool: EnvPool, trajs: list[Trajectory], agents: list, retry: list[int]) -> None:
+    """An agent's retry (agents.Reflect): its env reset to the same task, its reward to 0."""
+    firsts = pool.reset([trajs[i].item_id if i in retry else None for i in range(pool.size)])
+    for i in retry:
+        if isinstance(firsts[i], EnvError):
+            trajs[i].status, trajs[i].error = "env_error", str(firsts[i])
+        else:
+            agents[i].restart(firsts[i])
+            trajs[i].reward = 0.0
 
 
 def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
@@ -280,9 +291,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
         if not t.finished:
             _cut_observation(t, cfg)
         if fmt is not None and not t.finished:
-            t.token_ids = fmt.prompt_ids(t.messages)
+            t.append_ids(fmt.prompt_ids(t.messages))
             t.n_prompt = len(t.token_ids)
-            t.loss_mask, t.logprobs = [0] * t.n_prompt, [0.0] * t.n_prompt
     for turn in range(cfg.max_turns):
         for t in trajs:  # the next reply must fit: stop before generating, not in the middle
             if (fmt is not None and not t.finished
@@ -316,9 +326,7 @@ def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
         t.status, t.error = ("max_turns", None) if r is None else ("env_error", str(r))
         return False
     if r.ids is not None:
-        t.token_ids += r.ids
-        t.loss_mask += [1] * len(r.ids)
-        t.logprobs += r.logprobs if r.logprobs is not None else [0.0] * len(r.ids)
+        t.append_ids(r.ids, sampled=True, logprobs=r.logprobs)
     t.turns += 1
     t.messages.append({"role": "assistant", "content": r.text})
     return True
@@ -343,10 +351,7 @@ def _cut_observation(t: Trajectory, cfg: RolloutConfig) -> None:
 def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
                         cfg: RolloutConfig) -> None:
     """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown row."""
-    obs_ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
-    t.token_ids += obs_ids
-    t.loss_mask += [0] * len(obs_ids)
-    t.logprobs += [0.0] * len(obs_ids)
+    t.append_ids(fmt.observation_ids(t.messages[-1]["content"], reply_ended))
     if cfg.check_template and t.template != "mismatch":  # a row's worst check so far
         t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
     if len(t.token_ids) >= cfg.max_context:
@@ -428,6 +433,36 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
     groups = torch.tensor([t.group for t in trajs], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": mask,
             "old_logprobs": lps, "rewards": rewards, "group_ids": groups, "turn_ids": turn_ids}
+
+
+def length_buckets(lengths: list[int], max_tokens: int,
+                   overhead_tokens: int | None = None) -> list[list[int]]:
+    """Split row indices into micro-batches of similar length, each with rows x longest <=
+    max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
+    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens / 16).
+    Rows sorted by length make each batch a contiguous run, so a short dynamic programme finds the
+    best cut points."""
+    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    L = [lengths[i] for i in order]
+    n = len(L)
+    prefix = [0]
+    for x in L:
+        prefix.append(prefix[-1] + x)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
+            if L[i] * (j - i) > max_tokens and j - i > 1:
+                break
+            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
 
 
 # ---------------------------------------------------------------- trajectory log

@@ -18,13 +18,11 @@ and refuse to see it twice.
   "plateau" (not in the paper: the next horizon once the success rate has stopped improving).
 
 Rounds need not increase: a shrinking horizon is a legitimate ablation, so any list of positive
-integers is accepted. Zero or negative turns are rejected. Also here: `lr_at`, the learning rate's
-share at each step.
+integers is accepted. Zero or negative turns are rejected.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 
@@ -189,20 +187,3 @@ def stage_bounds(schedule: HorizonSchedule, total_steps: int) -> list[tuple[int,
         else:
             bounds.append((step, step, schedule.max_turns(step)))
     return bounds
-
-
-# ---------------------------------------------------------------- the learning rate over the steps
-def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
-    """The share of the base learning rate at `step` (1-based) of `steps`: 1 at step 1, and with
-    decay, linear or along a half cosine, down to 1/steps at the last step (never 0: the last
-    update counts). With `warmup` steps, the share first rises linearly: step s <= warmup gets
-    s / (warmup + 1) of it (Adam makes its first steps full size whatever the gradient's scale:
-    the warm-up keeps them small)."""
-    low = 1.0 / steps
-    ramp = step / (warmup + 1) if step <= warmup else 1.0
-    if decay == "linear":
-        return ramp * (1.0 - (step - 1) / steps)
-    if decay == "cosine":
-        t = (step - 1) / (steps - 1) if steps > 1 else 0.0
-        return ramp * (low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t)))
-    return ramp

@@ -13,16 +13,16 @@ the policy sampled; the estimator --algo turns outcomes into per-token advantage
 `ppo_epochs` passes of the clipped loss over mini-batches move the policy (`update`: the ratio's
 denominator is chosen there); the --max-update-kl guard (`guard`); the engine gets the new weights;
 one line of metrics. Layers (trainer/, models/) change speed, robustness and logging, never what
-is computed: the flags and their checks, torchrun's collectives, the run around the loop (setup,
-checkpoints, resume, signals, evaluations, the summary), batching by length. `run` holds what setup
-made: cfg, engine, fmt (chat template), pool (env instances), schedule, model (the fp32 master
-weights), prec.model (the copy that computes: the master, or its bf16 copy), ref, critic, optims.
+is computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat template), pool
+(env instances), schedule, model (the fp32 master weights), prec.model (the copy that computes: the
+master, or its bf16 copy), ref, critic, optims.
 """
 
 from __future__ import annotations
 
 import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (trainer/cli.py)
+import math
 import time
 
 import torch
@@ -32,11 +32,10 @@ import algos
 from algos import token_logprobs  # the trainer's log-probs of the sampled tokens
 from rollout import (EnginePolicy, RolloutConfig, Trajectory, informative_groups, rollout,
                      turn_state_keys)
-from scheduler import lr_at
 from trainer import config  # the flags, their checks and the real-model settings
-from trainer import run as layer  # the run around the loop: setup, resume, checkpoints, evaluations
+from trainer import run as layer  # the loop's layer: steps, progress, logs, batching, signals
+from trainer import setup  # the run set up (models, engine, env, --resume) and ended (summary)
 from trainer import distributed as ranks  # torchrun's collectives (one process: the identity)
-from trainer.update import Rows, UpdateStats, idle_rows, micro_weight  # the update's machinery
 
 
 # ================================================================ the loop
@@ -45,7 +44,7 @@ def parse_args(argv=None) -> config.Config:
 
 
 def main(cfg: config.Config) -> dict:
-    with layer.started(cfg) as run:  # models, engine, env pool, tasks; --resume: the checkpoint's
+    with setup.started(cfg) as run:  # models, engine, env pool, tasks; --resume: the checkpoint's
         for step in run.steps():  # progress bar; evaluations, checkpoints and signals between steps
             K = run.schedule.max_turns(step)  # ScalingInter-RL: the horizon grows stage by stage
             # ---- rollout: batch_size tasks x group_size samples each, up to K turns
@@ -84,7 +83,7 @@ def main(cfg: config.Config) -> dict:
                     torch.set_num_threads(run.update_threads)  # the update makes no env call
                     m["lr"] = set_lr(run, step)
                     # ---- the batch: one padded row per trajectory, micro-batched by length
-                    rows = Rows(run, kept)
+                    rows = layer.Rows(run, kept)
                     # ---- advantages: algos.ESTIMATORS[--algo], per sampled token
                     adv, returns, values = advantages(run, rows)
                     # ---- the update: ppo_epochs x mini-batches of the clipped loss
@@ -99,12 +98,11 @@ def main(cfg: config.Config) -> dict:
 
 
 def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list[Trajectory]]:
-    """Dynamic sampling: groups whose scores all tie carry no signal, so up to --max-resample extra
-    rounds of play(items, groups) are played until the update sees --batch-size informative groups
-    (fewer when the rounds run out). --resample fresh (DAPO) drops a tied group and plays a fresh
-    task in its place, under a new group id; --resample extend plays the tied group's own task
-    --group-size more times under the same id, so that a task solved 1 time in 8 still shows its
-    win. Returns (the trajectories to train on, the extra ones)."""
+    """Dynamic sampling: tied groups carry no signal, so up to --max-resample more rounds of
+    play(items, groups) run until the update sees --batch-size informative groups (fewer if the
+    rounds run out). --resample fresh (DAPO): a fresh task under a new group id replaces a tied
+    group; extend: the tied group's own task --group-size more times under its id, so that a task
+    solved 1 time in 8 still shows its win. Returns (the trajectories to train on, the extra)."""
     cfg = run.cfg
     keep = informative_groups(trajs)
     kept = [t for t in trajs if t.group in keep]
@@ -133,14 +131,27 @@ def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list
 
 def set_lr(run, step: int) -> float:
     """This step's learning rates into the optimizers: the base rate (--lr, --critic-lr) x the
-    schedule's share (scheduler.lr_at: --warmup-steps, --lr-decay) x the guard's scale; returns the
-    policy's."""
+    schedule's share (`lr_at`) x the guard's scale; returns the policy's."""
     cfg = run.cfg
     share = lr_at(step, cfg.steps, cfg.lr_decay, cfg.warmup_steps or 0) * run.lr_scale
     for name, o in run.optims.items():
         for g in o.param_groups:
             g["lr"] = share * (cfg.lr if name == "policy" else cfg.critic_lr)
     return share * cfg.lr
+
+
+def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
+    """The base rate's share at `step` of `steps`: 1, or with --lr-decay linear or cosine down to
+    1/steps at the last step (never 0); --warmup-steps first ramp it, s / (warmup + 1) at step
+    s <= warmup (Adam's first steps are full size whatever the gradient's scale)."""
+    low = 1.0 / steps
+    ramp = step / (warmup + 1) if step <= warmup else 1.0
+    if decay == "linear":
+        return ramp * (1.0 - (step - 1) / steps)
+    if decay == "cosine":
+        t = (step - 1) / (steps - 1) if steps > 1 else 0.0
+        return ramp * (low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t)))
+    return ramp
 
 
 def guard(run, step: int, m: dict) -> None:
@@ -156,7 +167,7 @@ def guard(run, step: int, m: dict) -> None:
 
 
 # ================================================================ one update
-def advantages(run, rows: Rows) -> tuple:
+def advantages(run, rows: layer.Rows) -> tuple:
     """(advantages, returns, values), each (B, T-1) on sampled tokens, by the --algo estimator.
     Whitening uses every rank's tokens (global_whiten), as one process holding all rows would."""
     cfg, batch, trajs = run.cfg, rows.batch, rows.trajs
@@ -165,17 +176,17 @@ def advantages(run, rows: Rows) -> tuple:
     values = None
     if est.critic:  # V of the prefix that produced token t+1
         values = rows.passes(lambda mb, mb_mask: run.critic(**mb)[:, :-1])
+    keys = [turn_state_keys(t) for t in trajs] if cfg.algo == "gigpo" else None  # GiGPO's anchors
     x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, cfg.gamma,
                               cfg.lam, whiten=ranks.global_whiten,
                               turn_ids=batch["turn_ids"][:, 1:],  # shifted as the mask
-                              state_keys=[turn_state_keys(t) for t in trajs],  # GiGPO's anchors
-                              turn_rewards=[t.turn_rewards for t in trajs],
+                              state_keys=keys, turn_rewards=[t.turn_rewards for t in trajs],
                               step_adv_weight=cfg.step_adv_weight)
     adv, returns = est.fn(x)
     return adv, returns, values
 
 
-def update(run, rows: Rows, adv, returns, values) -> dict:
+def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length. Under
     torchrun the update equals one process's on every rank's trajectories: each micro-batch's loss
     is weighted by its share of the global loss (`micro_weight`), and a rank with fewer
@@ -183,7 +194,7 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     cfg, world, batch, B = run.cfg, ranks.world_size(), rows.batch, rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are (B, T-1)
     mask, sampler_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
-    idle = idle_rows(run, adv, mask, B)  # rows that add nothing to the loss: never forwarded
+    idle = layer.idle_rows(run, adv, mask, B)  # rows that add nothing to the loss: never forwarded
     ref_lp = None
     if run.ref is not None:  # the KL reference: the initial policy
         ref_lp = rows.passes(lambda mb, mb_mask: token_logprobs(run.ref, mb, cfg.temperature,
@@ -201,7 +212,7 @@ def update(run, rows: Rows, adv, returns, values) -> dict:
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
                "values": values, "returns": returns}
-    stats = UpdateStats()
+    stats = layer.UpdateStats()
     mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # rows per rank
     n_minis = ranks.all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
@@ -234,7 +245,7 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
     bonus, the KL to the reference, the critic's value loss; their statistics into `stats`."""
     cfg, world, batch = run.cfg, ranks.world_size(), rows.batch
     T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
-    mb = {k: v[:, :T] for k, v in rows_of(batch, idx).items()}
+    mb = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
     mb_mask = mask[idx, :T - 1]
     cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
     w = micro_weight(mb_mask, denominator, cfg.loss_agg, world)  # its share of the loss
@@ -257,14 +268,19 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
     stats.add(rows, idx, T, w / world, loss, entropy, kl, vloss, pst, lp.detach(), mb_mask, cut)
 
 
+def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world: int = 1) -> float:
+    """A micro-batch's loss weight, world * agg_denominator(micro) / denominator (the mini-batch's,
+    over all ranks): the accumulated gradients are the mini-batch loss's in every --loss-agg mode;
+    `world` undoes FSDP's average over ranks."""
+    return world * algos.agg_denominator(mask_micro, mode) / max(denominator, 1.0)
+
+
 def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
               before: list) -> float | None:
-    """How far this step's update moved the policy: KL(before || after) per sampled token, the k3
-    estimate on the tokens of the first mini-batch's rows but the idle ones (they add nothing to the
-    loss; left out whether or not they were forwarded, so the figure does not depend on it), from
-    their log-probs before the update (kept by its first passes; they were sampled from the policy
-    before it) and after it (one more forward, without gradients). Measured by the trainer on both
-    sides: the sampler's rounding is not in it (logprob_diff is)."""
+    """How far this step's update moved the policy: k3 KL(before || after) per sampled token of
+    the first mini-batch's rows but the idle ones (so the figure does not depend on the skip), the
+    log-probs before kept by its first passes, those after from one more forward; the trainer's on
+    both sides, so the sampler's rounding is not in it (logprob_diff is)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
     for idx, lp_before in before:  # as many passes on every rank: FSDP's forward is a collective
@@ -278,10 +294,6 @@ def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
         tokens += float(sel.sum())
     kl_sum, tokens = ranks.all_sum([kl_sum, tokens])
     return kl_sum / tokens if tokens else None  # None: the first mini-batch held only idle rows
-
-
-def rows_of(batch: dict, idx: list[int]) -> dict:
-    return {k: batch[k][idx] for k in ("input_ids", "attention_mask", "position_ids")}
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import models.builtin as models  # noqa: E402
 from models import policy  # noqa: E402
 from hf_engine import HFEngine  # noqa: E402
+from trainer.distributed import Precision  # noqa: E402
 from env_server.agents import opening_messages  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from rollout import ChatFormat  # noqa: E402
@@ -96,7 +97,7 @@ def generate_speed(model, pad: int, prompts, new: int) -> float:
     return len(prompts) * new / (time.perf_counter() - t)
 
 
-def train_speed(prec: policy.Precision, rows: int, length: int) -> float:
+def train_speed(prec: Precision, rows: int, length: int) -> float:
     """Forward and backward of the update's loss path (policy.token_logprobs with a loss mask on the
     second half of each row, as replies are; gradients into the fp32 master): trained tokens per
     second."""
@@ -136,7 +137,7 @@ def main() -> None:
     path = models.resolve(a.model, "textcraft", a.cache_dir)
     tok = policy.load_tokenizer(path)
     master = policy.load_model(path).eval()
-    precs = {name: policy.Precision(master, dt) for name, dt in DTYPES.items()}
+    precs = {name: Precision(master, dt) for name, dt in DTYPES.items()}
     fmt, pad = ChatFormat(tok), policy.pad_id(tok)
     n_params = sum(x.numel() for x in master.parameters())
     flops = 2 * n_params  # forward FLOPs per token (the tied LM head counted once)

@@ -44,11 +44,12 @@ import algos  # noqa: E402
 import train  # noqa: E402
 
 from trainer import checkpoints
-from trainer import run as run_layer
-from trainer.update import update_run  # noqa: E402
+from trainer import setup as run_setup  # noqa: E402
+from trainer.setup import update_run  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 from models.builtin import resolve  # noqa: E402
-from models.policy import (Precision, load_model, load_tokenizer, pad_id,  # noqa: E402
+from trainer.distributed import Precision  # noqa: E402
+from models.policy import (load_model, load_tokenizer, pad_id,  # noqa: E402
                            token_logprobs)
 from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
 from recipes.sft import load_log  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> None:
     for flags, cfg in zip(settings, cfgs):
         torch.manual_seed(cfg.seed)
         master = copy.deepcopy(master0).train()
-        dtype = run_layer.compute_dtype(cfg, torch.device("cpu"), master)
+        dtype = run_setup.compute_dtype(cfg, torch.device("cpu"), master)
         ref = Precision(copy.deepcopy(ref0).eval(), dtype).model if cfg.kl_coef > 0 else None
         optims = {"policy": torch.optim.AdamW(master.parameters(), lr=cfg.lr,
                                               weight_decay=cfg.weight_decay)}
@@ -165,7 +166,7 @@ def main() -> None:
         lr = train.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()
-        rows = train.Rows(run, trajs)
+        rows = train.layer.Rows(run, trajs)
         m = train.update(run, rows, *train.advantages(run, rows))
         seconds = time.time() - t0
         after = probe_nll(prec.model, probe, pad, cfg.temperature)

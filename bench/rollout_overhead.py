@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import models.builtin as models  # noqa: E402
 import train  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
-from trainer.update import update_run  # noqa: E402
+from trainer.setup import update_run  # noqa: E402
 from env_client import EnvPool  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
 from hf_engine import HFEngine  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> None:
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
     run = update_run(cfg, model, optims, pad=pad_id(tok))
-    rows = train.Rows(run, trajs)  # what the update reads of a run
+    rows = train.layer.Rows(run, trajs)  # what the update reads of a run
     m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1
     print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} "

@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from models.builtin import resolve  # noqa: E402
-from models.policy import (Precision, length_buckets, load_model, load_tokenizer,  # noqa: E402
+from trainer.distributed import Precision  # noqa: E402
+from models.policy import (load_model, load_tokenizer,  # noqa: E402
                            pad_id, resolve_dtype, token_logprobs)
 from recipes.sft import load_log  # noqa: E402
-from rollout import build_batch  # noqa: E402
+from rollout import build_batch, length_buckets  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 
 

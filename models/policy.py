@@ -7,9 +7,8 @@ models/builtin.py.
 - `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its
   eos.
 - `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
-- `resolve_dtype` / `Precision`: --dtype auto|fp32|bf16; with bf16, forward, backward and generation
-  run on a bf16 copy of the weights while the optimizer keeps fp32 master weights (what FSDP does on
-  CUDA).
+- `resolve_dtype`: --dtype auto|fp32|bf16 (with bf16 a copy computes while the optimizer keeps the
+  fp32 master weights: trainer/run.py's `Precision`).
 - `Critic`: a value head on a copy of the policy's transformer body (PPO).
 - `token_logprobs`: algos.token_logprobs (the trainer's log-probs) for the recipes and bench.
 - `shard_model`: FSDP2 sharding under torchrun.
@@ -17,7 +16,6 @@ models/builtin.py.
 
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
@@ -91,36 +89,6 @@ def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> to
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16": as vLLM takes it, and as runs and evaluations record it."""
     return str(dtype).removeprefix("torch.")
-
-
-class Precision:
-    """fp32 master weights and the copy that computes.
-
-    With `dtype` float32 the master computes itself (`model` is `master`) and every method is a
-    no-op. With bf16, `model` is a bf16 copy: the forward, the backward and generation run on it
-    (activations, KV cache and gradients in bf16; log-softmax and losses in fp32, as token_logprobs
-    and the engine do), while the optimizer, gradient clipping and checkpoints use the fp32
-    `master`: bf16 weights would round most small updates away. After each backward `collect_grads`
-    adds the copy's gradients into the master's (in fp32, so micro-batches accumulate without bf16
-    rounding); after each optimizer step `sync` rounds the master into the copy. This is FSDP's
-    mixed precision (param_dtype bf16, fp32 shards and optimizer) on one process."""
-
-    def __init__(self, master: torch.nn.Module, dtype: torch.dtype = torch.float32):
-        self.master, self.dtype = master, dtype
-        self.model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
-        self._pairs = ([] if self.model is master
-                       else list(zip(master.parameters(), self.model.parameters())))
-
-    def collect_grads(self) -> None:
-        for m, c in self._pairs:
-            if c.grad is not None:
-                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
-                c.grad = None
-
-    @torch.no_grad()
-    def sync(self) -> None:
-        for m, c in self._pairs:
-            c.copy_(m)
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -225,31 +193,3 @@ def shard_model(module: torch.nn.Module, device: torch.device,
     return module
 
 
-def length_buckets(lengths: list[int], max_tokens: int,
-                   overhead_tokens: int | None = None) -> list[list[int]]:
-    """Split row indices into micro-batches of similar length, each with rows x longest <=
-    max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
-    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens / 16).
-    Rows sorted by length make each batch a contiguous run, so a short dynamic programme finds the
-    best cut points."""
-    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    L = [lengths[i] for i in order]
-    n = len(L)
-    prefix = [0]
-    for x in L:
-        prefix.append(prefix[-1] + x)
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
-            if L[i] * (j - i) > max_tokens and j - i > 1:
-                break
-            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], n
-    while j > 0:
-        buckets.append(order[cut[j]:j])
-        j = cut[j]
-    return buckets[::-1]

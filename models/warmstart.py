@@ -37,9 +37,10 @@ from tqdm import tqdm
 from env_server.agents import GUESS_THOUGHT, STALL_THOUGHT, opens_by_guessing, react_reply
 from env_client import Step
 from trainer.tasks import spread
-from models.policy import (length_buckets, Precision, load_model, load_tokenizer, pad_id,
-                           token_logprobs)
-from rollout import ChatFormat, Reply, RolloutConfig, Trajectory, build_batch, is_success, rollout
+from models.policy import load_model, load_tokenizer, pad_id, token_logprobs
+from trainer.distributed import Precision
+from rollout import (ChatFormat, Reply, RolloutConfig, Trajectory, build_batch, is_success,
+                     length_buckets, rollout)
 
 
 # ---------------------------------------------------------------- expert data
@@ -203,8 +204,9 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
     """Supervised fine-tuning: token-mean cross-entropy over the loss_mask = 1 tokens (the replies
     and their end-of-turn tokens), AdamW, `batch_size` trajectories per optimizer step,
     micro-batched by length, with a warm-up + cosine learning-rate schedule. `model` holds fp32
-    weights; with `dtype` bf16 the forward and backward run on a bf16 copy (policy.Precision).
-    Returns the mean loss of each epoch (measured on the fly, before each step's update)."""
+    weights; with `dtype` bf16 the forward and backward run on a bf16 copy
+    (trainer.distributed.Precision). Returns the mean loss of each epoch (measured on the fly,
+    before each step's update)."""
     assert trajectories, "sft needs at least one trajectory"
     device = next(model.parameters()).device
     batch = build_batch(trajectories, pad_id(tokenizer))

@@ -50,11 +50,10 @@ from trainer.cli import (Shared, arg, check_env, check_model, check_positive, ch
                          check_reporter, cpu_threads, parse_config, resolve_device)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_server.process import serving
-from models.policy import (length_buckets, load_model, load_tokenizer, pad_id, resolve_dtype,
-                           token_logprobs)
+from models.policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
 from trainer.report import REPORTERS, make_reporter
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success,
-                     play_in_chunks, rollout)
+                     length_buckets, play_in_chunks, rollout)
 from models.warmstart import expert_trajectories, micro_rows, sft
 
 

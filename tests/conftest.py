@@ -154,5 +154,5 @@ def train_update(run, trajs):
     clipped update over epochs and mini-batches; returns the update's metrics."""
     import train
 
-    rows = train.Rows(run, trajs)
+    rows = train.layer.Rows(run, trajs)
     return train.update(run, rows, *train.advantages(run, rows))

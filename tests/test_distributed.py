@@ -17,7 +17,7 @@ import models.builtin as models
 from models import policy
 import train
 from trainer import run as run_layer
-from trainer import update
+from trainer.setup import update_run
 from rollout import Trajectory
 
 
@@ -81,7 +81,7 @@ def test_micro_weights_add_up_to_the_global_loss(mode):
         for r in ranks:
             for micro in (r[:2], r[2:3], r[3:]):
                 if micro:
-                    w = update.micro_weight(mask[micro], denominator, mode, world)
+                    w = train.micro_weight(mask[micro], denominator, mode, world)
                     # / world: FSDP
                     total += w / world * float(algos.agg_loss(loss_mat[micro], mask[micro],
                                                               mode))
@@ -149,7 +149,7 @@ def run_update(flags, model_dir, trajs, sharded: bool):
     if critic is not None:
         optims["critic"] = torch.optim.SGD(critic.parameters(), lr=0.5)
     torch.manual_seed(0)
-    run = update.update_run(cfg, model, optims, ref=ref, critic=critic)
+    run = update_run(cfg, model, optims, ref=ref, critic=critic)
     stats = train_update(run, trajs)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

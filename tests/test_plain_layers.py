@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import train
-import trainer.update
+import trainer.run
 from models.tiny import build_model
 from rollout import Trajectory
-from trainer.update import update_run
+from trainer.setup import update_run
 
 
 def trajectories(seed: int = 0) -> list[Trajectory]:
@@ -40,7 +40,7 @@ def one_update(model):
                             "--mini-batch-size", "8", "--ppo-epochs", "2", "--dtype", "fp32"])
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-3)}
     run = update_run(cfg, model, optims)
-    rows = train.Rows(run, trajectories())
+    rows = train.layer.Rows(run, trajectories())
     return train.update(run, rows, *train.advantages(run, rows))
 
 
@@ -50,8 +50,8 @@ def test_plain_layers_give_the_same_update(monkeypatch):
     fast_model, plain_model = copy.deepcopy(start), copy.deepcopy(start)
     fast = one_update(fast_model)
     assert fast["idle_rows"] == 8 and fast["padding_share"] > 0  # both layers acted
-    monkeypatch.setattr(trainer.update, "SKIP_IDLE", False)  # every row forwarded
-    monkeypatch.setattr(trainer.update, "length_buckets",  # one row per pass, no padding
+    monkeypatch.setattr(trainer.run, "SKIP_IDLE", False)  # every row forwarded
+    monkeypatch.setattr(trainer.run, "length_buckets",  # one row per pass, no padding
                         lambda lengths, max_tokens: [[i] for i in range(len(lengths))])
     plain = one_update(plain_model)
     assert plain["padding_share"] == 0

@@ -1,7 +1,7 @@
-"""bf16 compute with fp32 master weights (policy.Precision), --dtype, and the update's skip of rows
-without signal: the skip gives the update that computing those rows gives, the bf16 copy's gradients
-land in the fp32 master without rounding small updates away, and sampler and trainer agree in
-bf16."""
+"""bf16 compute with fp32 master weights (trainer.distributed.Precision), --dtype, and the update's
+skip of rows without signal: the skip gives the update that computing those rows gives, the bf16
+copy's gradients land in the fp32 master without rounding small updates away, and sampler and
+trainer agree in bf16."""
 
 import copy
 import json
@@ -15,7 +15,8 @@ from test_distributed import fixed_trajectories
 
 from models import policy
 import train
-from trainer.update import update_run
+from trainer.distributed import Precision
+from trainer.setup import update_run
 from engines import HFEngine
 from models.tiny import build_model
 
@@ -60,7 +61,7 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
         model = copy.deepcopy(base)
         run = run_of(flags, model, optim=optim)
         if mode == "all":
-            monkeypatch.setattr(train, "idle_rows", lambda *a: set())
+            monkeypatch.setattr(train.layer, "idle_rows", lambda *a: set())
 
         def counting(run_, batch, mask, targets, idx, *a, _mode=mode, **kw):
             forwarded[_mode] += len(idx)
@@ -98,8 +99,8 @@ def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind,
            else run_of(flags, copy.deepcopy(base), dtype=dtype))
     run.engine_kind = kind
     passes = []
-    real = train.Rows.passes
-    monkeypatch.setattr(train.Rows, "passes", lambda self, fn, skip=frozenset():
+    real = train.layer.Rows.passes
+    monkeypatch.setattr(train.layer.Rows, "passes", lambda self, fn, skip=frozenset():
                         passes.append(1) or real(self, fn, skip))
     train_update(run, fixed_trajectories(base))
     assert bool(passes) == recomputed
@@ -120,7 +121,7 @@ def test_bf16_gradients_reach_the_fp32_master_without_rounding_the_update_away()
     micro-batch; a small step moves nearly every master weight (a bf16 weight would round it away),
     and the copy follows the master after sync."""
     master = tiny()
-    prec = policy.Precision(master, torch.bfloat16)
+    prec = Precision(master, torch.bfloat16)
     assert prec.model is not master and next(prec.model.parameters()).dtype == torch.bfloat16
     assert next(master.parameters()).dtype == torch.float32
     ids = torch.randint(1, 50, (2, 12))
@@ -136,7 +137,7 @@ def test_bf16_gradients_reach_the_fp32_master_without_rounding_the_update_away()
     assert moved / sum(b.numel() for b in before) > 0.9
     for p, c in zip(master.parameters(), prec.model.parameters()):
         assert torch.equal(p.to(torch.bfloat16), c)
-    assert policy.Precision(master).model is master  # fp32: the master computes
+    assert Precision(master).model is master  # fp32: the master computes
 
 
 def test_dtype_auto_is_bf16_only_where_it_pays(monkeypatch):
@@ -157,7 +158,7 @@ def test_bf16_sampler_and_trainer_agree_on_the_tiny_model():
     """The engine samples with the bf16 copy and the trainer scores with it: the log-probs agree
     within bf16's resolution (the same weights and arithmetic; cached decoding and a whole-row
     forward round differently), and the rows' ids are exactly what was sampled."""
-    prec = policy.Precision(tiny(), torch.bfloat16)
+    prec = Precision(tiny(), torch.bfloat16)
     prompts = [[1, 5, 7, 9], [3, 4, 11, 12, 13, 2]]
     samples = HFEngine(prec.model, 0).generate(prompts, 10, [], 1.0, 1.0,
                                                torch.Generator().manual_seed(0))

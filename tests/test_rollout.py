@@ -14,7 +14,7 @@ from env_client import EnvPool, Step
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
-from models.policy import length_buckets
+from rollout import length_buckets
 from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success,
                      rollout, write_log)
 

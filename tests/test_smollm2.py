@@ -17,6 +17,7 @@ import models.builtin as models
 from models import policy
 from engines import HFEngine
 from rollout import ChatFormat
+from trainer.distributed import Precision
 
 CACHE = os.environ.get("AGENTGYM_CACHE",
                        os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))
@@ -90,7 +91,7 @@ AGREEMENT = {"fp32": (2e-3, 2e-3), "bf16": (0.6, 0.1)}
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_sampler_and_the_trainer_agree(smollm2, tok, temperature, dtype):
-    model = policy.Precision(policy.load_model(smollm2), policy.DTYPES[dtype]).model.eval()
+    model = Precision(policy.load_model(smollm2), policy.DTYPES[dtype]).model.eval()
     fmt = ChatFormat(tok)
     prompts = [fmt.prompt_ids([{"role": "user", "content": c}])
                for c in ("Say hello.", "Count to three, please.")]
@@ -113,7 +114,7 @@ def test_bf16_rollouts_build_the_same_rows(textcraft_url, smollm2, tok):  # noqa
     from env_client import EnvPool
     from rollout import EnginePolicy, RolloutConfig, rollout
 
-    model = policy.Precision(policy.load_model(smollm2), torch.bfloat16).model.eval()
+    model = Precision(policy.load_model(smollm2), torch.bfloat16).model.eval()
     fmt = ChatFormat(tok)
     rcfg = RolloutConfig(max_turns=2, max_new_tokens=24)
     with EnvPool(textcraft_url, 2) as pool:

@@ -16,7 +16,7 @@ from models import policy
 import algos
 import train
 from trainer import run as run_layer
-from trainer.update import update_run
+from trainer.setup import update_run
 from models import warmstart
 from trainer.tasks import spread
 

@@ -372,7 +372,7 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     import eval as ev
     import train
     from models.loading import load_local
-    from trainer import run as run_layer
+    from trainer import setup as run_setup
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     base = ["--env", "textcraft", "--model", str(tmp_path), "--engine", "vllm",
@@ -380,7 +380,7 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     for extra, tokens in (([], 8 * 4 * 1024), (["--vllm-kv-tokens", "3000"], 3000)):
         cfg = train.parse_args([*base, "--batch-size", "8", "--group-size", "4",
                                 "--eval-every", "0", *extra])
-        run_layer.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
+        run_setup.engine_for(cfg, None, str(tmp_path), 0, "cpu", torch.float32)
         want = (tokens + engines.VLLM_RESERVED_TOKENS) * 2 * SMOLLM2_KV_BYTES_PER_TOKEN  # fp32 here
         assert fake_cpu_vllm.llms[-1].kwargs["kv_cache_memory_bytes"] == want
     cfg = ev.parse_args([*base, "--batch", "6", "--dtype", "bf16", "--vllm-kv-tokens", "2000"])

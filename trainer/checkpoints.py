@@ -5,20 +5,17 @@ load), optim.pt (each optimizer's state, and the critic's weights, as full tenso
 parameter name, so that a run saved by N ranks resumes on any number) and trainer_state.pt (step,
 schedule state, the data RNG, each rank's sampling and torch RNGs, the config). It is written to
 checkpoint.tmp, synced and swapped in, so that an interrupted write never replaces the last good
-one. `Interrupts` turns Ctrl-C and SIGTERM into a stop at a point that --resume continues exactly.
+one. (trainer/run.py's `Interrupts` turns Ctrl-C and SIGTERM into a stop that --resume continues.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 
 import torch
-from tqdm import tqdm
 
 from trainer.distributed import barrier, global_rank
 
@@ -124,56 +121,6 @@ def find_checkpoint(out: str) -> str | None:
         if os.path.exists(os.path.join(path, "trainer_state.pt")):
             return path
     return None
-
-
-class StopNow(BaseException):
-    """A second Ctrl-C / SIGTERM: stop at once, without a checkpoint."""
-
-
-class Interrupts:
-    """Ctrl-C and SIGTERM while training stop the run where --resume continues it exactly.
-
-    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the weights have
-    not changed since the last update, and a resumed run replays the step from the random states
-    taken at its start. Inside (the update, a checkpoint write) it waits for the section's end, so
-    that nothing is saved half updated. Under torchrun every signal waits for the end of the step,
-    where the ranks agree to stop together (a rank leaving in the middle of a collective would hang
-    the others). A second signal stops at once, without a checkpoint; an interrupted write never
-    replaces the last good one.
-    """
-
-    def __init__(self, defer_all: bool):
-        self.defer_all, self.signum, self.depth = defer_all, None, 0
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self._on_signal)
-                         for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def _on_signal(self, signum, frame):
-        if self.signum is not None:
-            raise StopNow(f"{signal.Signals(signum).name} again: stopped without a checkpoint")
-        self.signum = signum
-        if self.depth == 0 and not self.defer_all:
-            raise KeyboardInterrupt
-        if global_rank() == 0:
-            tqdm.write(f"{signal.Signals(signum).name}: stopping after this "
-                       f"{'step' if self.defer_all else 'update'} with a checkpoint (send it again "
-                       "to stop at once, without one)")
-
-    @contextlib.contextmanager
-    def critical(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if self.depth == 0 and self.signum is not None and not self.defer_all:
-            raise KeyboardInterrupt
 
 
 def read_log(path: str) -> list[dict]:

@@ -1,5 +1,5 @@
-"""torchrun plumbing for train.py: the process group, small collectives, and which rows each rank
-plays.
+"""torchrun plumbing for train.py: the process group, small collectives, which rows each rank
+plays, and `Precision`, FSDP's mixed precision on one process (bf16 compute, fp32 master weights).
 
 With one process every helper is a no-op (world size 1), so train.py reads the same either way.
 """
@@ -7,6 +7,7 @@ With one process every helper is a no-op (world size 1), so train.py reads the s
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import math
 import os
@@ -152,3 +153,34 @@ def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     (sq_dev,) = all_sum([float(((x - mean) ** 2 * m).sum())])
     scale = 1.0 / math.sqrt(sq_dev / (n - 1) + 1e-8) if n >= 2 else 1.0  # algos: departure 6
     return (x - mean) * scale * m
+
+
+# ---------------------------------------------------------------- mixed precision, one process
+class Precision:
+    """fp32 master weights and the copy that computes.
+
+    With `dtype` float32 the master computes itself (`model` is `master`) and every method is a
+    no-op. With bf16, `model` is a bf16 copy: the forward, the backward and generation run on it
+    (activations, KV cache and gradients in bf16; log-softmax and losses in fp32, as token_logprobs
+    and the engine do), while the optimizer, gradient clipping and checkpoints use the fp32
+    `master`: bf16 weights would round most small updates away. After each backward `collect_grads`
+    adds the copy's gradients into the master's (in fp32, so micro-batches accumulate without bf16
+    rounding); after each optimizer step `sync` rounds the master into the copy. This is FSDP's
+    mixed precision (param_dtype bf16, fp32 shards and optimizer) on one process."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype = torch.float32):
+        self.master, self.dtype = master, dtype
+        self.model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+        self._pairs = ([] if self.model is master
+                       else list(zip(master.parameters(), self.model.parameters())))
+
+    def collect_grads(self) -> None:
+        for m, c in self._pairs:
+            if c.grad is not None:
+                m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad)
+                c.grad = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for m, c in self._pairs:
+            c.copy_(m)

@@ -3,7 +3,7 @@ to the next horizon when the moving-average success rate has stopped improving, 
 fixed steps (scheduler.StepwiseHorizon, ScalingInter-RL).
 
 Importing this module registers it into scheduler.SCHEDULES (trainer/config.py imports it, so
-that the flag's choices list it). trainer/run.py feeds it each step's success rate through
+that the flag's choices list it). train.py feeds it each step's success rate through
 `schedule.observe`, which the core's schedules ignore.
 """
 

@@ -1,12 +1,16 @@
-"""The run around train.py's loop, each piece called there at one named point: setup (models,
-optimizers, engine, env server and pool, tasks), --resume from a checkpoint, the progress bar,
-held-out evaluations, checkpoints and signals (Ctrl-C or SIGTERM saves a checkpoint that --resume
-continues exactly), the stop after too many env-error steps in a row, the metrics files and
-reporters, and the summary at the end. Nothing here changes what a step computes: which
-trajectories are trained on, the learning rate and the weight sync are written in train.py.
+"""The layer a training step walks through, each piece called from train.py at one named point: the
+loop over steps (`Run.steps`: progress bar, held-out evaluations, checkpoints, the env-error rules,
+signals), the tasks a step plays, the engine made ready to sample, the rollout's metrics and log,
+the update's critical section, the metrics line; and the update's machinery: the padded batch and
+its micro-batches by length (`Rows`, rollout.length_buckets), the rows that cannot move the weights
+(`idle_rows`) and the update's statistics (`UpdateStats`). Nothing here changes what a step
+computes: which trajectories are trained on, the advantages, the loss, the learning rate and the
+weight sync are written in train.py.
 
-The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/, summary.json and
-checkpoint/ (README, "Flags and the run folder").
+Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop, a
+crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's forward
+and backward are collectives, so every rank runs as many passes as the busiest one, the extra ones
+on a blank row without sampled tokens (weight 0); a rank may bring no trajectory at all.
 """
 
 from __future__ import annotations
@@ -21,90 +25,22 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
-from engines import HFEngine, make_engine, resolve_engine, sampling_device
+from engines import HFEngine
 from env_client import EnvError, EnvPool, Transport
-from trainer.tasks import spread
-from eval import held_out
-from models.builtin import resolve
-from models.policy import (Critic, Precision, dtype_name, load_model, load_tokenizer, pad_id,
-                           prepare, resolve_dtype)
-from rollout import (ChatFormat, RolloutConfig, Trajectory, informative_groups, outcomes,
-                     write_log)
-from scheduler import horizons, make_schedule, stage_steps
-from trainer.checkpoints import (Interrupts, find_checkpoint, load_checkpoint, previous_minutes,
-                                 read_log, resume_command, save_checkpoint, truncate_logs)
-from trainer.cli import cpu_threads, serving_env, task_lists
-from trainer.config import Config, check_context
-from trainer.distributed import (all_gather_list, all_max, barrier, broadcast_value, gathered,
-                                 global_rank, init_distributed, rank_items, world_size)
-from trainer.report import make_reporter
+from models.policy import dtype_name
+from rollout import (ChatFormat, RolloutConfig, Trajectory, build_batch, informative_groups,
+                     length_buckets, outcomes, write_log)
+from scheduler import horizons
+from trainer.checkpoints import resume_command, save_checkpoint
+from trainer.config import Config
+from trainer.distributed import (Precision, all_gather_list, all_max, all_sum, gathered,
+                                 global_rank, rank_items, world_size)
 
 
 # ================================================================ the named points of train.py
-@contextlib.contextmanager
-def started(cfg: Config):
-    """The run, set up (train.py's `with layer.started(cfg) as run`): torchrun joined, the env
-    server started (or --env-addr checked), what --model names built once, models and engine loaded,
-    a checkpoint's state restored on --resume, config.json written; signals caught for the loop. On
-    Ctrl-C / SIGTERM: a checkpoint and exit; at the end: the summary (run.summary)."""
-    rank, world, device = init_distributed(cfg.device)
-    try:
-        if cfg.out is None:  # rank 0's clock names the run
-            cfg.out = broadcast_value(os.path.join(
-                "runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
-        ckpt = find_checkpoint(cfg.out) if cfg.resume else None  # parse_args made sure there is one
-        if rank == 0:
-            print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""),
-                  flush=True)
-        with serving_env(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
-            # refused before any build
-            task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)
-            # build what --model names (the warm start, a wheel's model) once, before any write
-            if not cfg.resume:
-                if rank == 0:
-                    torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
-                    built(cfg)
-                barrier()
-            # after any build, which seeds and draws for itself: a run with the model cached is the
-            # same run as the one that built it
-            random.seed(cfg.seed)
-            torch.manual_seed(cfg.seed)
-            # one process per GPU under torchrun: distributed.py
-            torch.set_num_threads(cpu_threads(cfg.threads))
-            run = setup(cfg, url, server, device, ckpt)
-            # the run's first writes, after every check (a refused start leaves no config.json)
-            if rank == 0:
-                os.makedirs(cfg.out, exist_ok=True)
-                with open(os.path.join(cfg.out, "config.json"), "w") as f:
-                    json.dump(dataclasses.asdict(cfg), f, indent=2)
-            run.reporter = make_reporter(cfg.report_to if rank == 0 else "none", cfg.out,
-                                         dataclasses.asdict(cfg))
-            try:
-                with Interrupts(defer_all=world > 1) as run.intr:
-                    try:
-                        yield run
-                    except KeyboardInterrupt:
-                        stop(run, run.intr)
-                    except Exception as e:  # a bug, a full disk, ...: the last whole step saved
-                        crashed(run, e)
-                        raise
-                run.last.pop("first_error", None)
-                run.summary = (run.last if rank != 0
-                               else {**run.last, **finish(run, time.time() - run.t_start)})
-            finally:
-                if run.bar is not None:
-                    run.bar.close()
-                run.pool.close()
-                run.reporter.close()
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-
-
 @contextlib.contextmanager
 def generating(run_or_engine, model=None):
     """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back
@@ -143,7 +79,6 @@ def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float = 0.0) 
             "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
 
 
-# ================================================================ setup
 @dataclasses.dataclass
 class Run:
     """Everything a step needs, made once by `setup`: models, optimizers, engine, schedule, data."""
@@ -180,7 +115,7 @@ class Run:
     # shows what the step is doing now on the progress bar (rank 0)
     show: object = lambda text: None
     engine_kind: str = "hf"  # the engine that actually runs (--engine auto resolved): hf or vllm
-    intr: object = None  # trainer.checkpoints.Interrupts, while the loop runs
+    intr: object = None  # Interrupts (below), while the loop runs
     bar: object = None  # the progress bar (rank 0)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
     summary: dict = dataclasses.field(default_factory=dict)  # finish()'s, at the end
@@ -209,7 +144,9 @@ class Run:
         for step in self.bar:
             # a stop in this step's rollout replays the step on resume
             self.safe = (step - 1, snapshot(self))
-            env_ready(self.server, self.url, cfg.env_wait if self.bad_steps else 0.0)
+            restart_if_dead(self.server)
+            if self.bad_steps and cfg.env_wait > 0:  # the last step lost to env errors
+                wait_for_env(self.server, self.url, cfg.env_wait)
             yield step  # train.py plays and updates; run.log sets self.last and self.safe
             last = self.last
             shown[0] = (f"K={last['max_turns']}, reward={last['reward_mean']:.2f}, "
@@ -267,157 +204,30 @@ class Run:
         if global_rank() == 0:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
-            self.reporter.log("train", row, step)
+            if self.cfg.report_to != "none":  # TensorBoard, W&B
+                self.reporter.log("train", row, step)
         # a signal the critical section held back stops the run after it: with this step saved
         self.safe = (step, snapshot(self))
         self.last = m
 
 
-def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
-    tasks = task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)
-    train_ids = tasks["splits"].get("train")
-    if not train_ids:
-        sys.exit(f"no training tasks at {url}" + (f" in --tasks-file {cfg.tasks_file}"
-                                                  if cfg.tasks_file else ""))
-    # the initial policy, and the KL reference
-    init_path = built(cfg)
-    model_path = os.path.join(ckpt, "model") if ckpt else init_path
-    tokenizer = load_tokenizer(model_path)
-    check_context(cfg, ChatFormat(tokenizer))  # --max-context against the opening prompt
-    model = load_model(model_path, dtype=None).train()
-    dtype = compute_dtype(cfg, device, model)
-    model = prepare(model, device, cfg.grad_checkpointing, dtype)
-    prec = Precision(model, dtype if world_size() == 1 else torch.float32)  # FSDP casts for itself
-    ref = None
-    if cfg.kl_coef > 0:  # never trained: no master weights needed
-        ref = (load_model(init_path, device, dtype).eval() if world_size() == 1
-               else prepare(load_model(init_path, dtype=None).eval(), device, dtype=dtype))
-    critic = (prepare(Critic(model_path), device, cfg.grad_checkpointing)
-              if algos.estimator(cfg.algo).critic else None)
-    optims = {"policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                          weight_decay=cfg.weight_decay)}
-    if critic is not None:
-        optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr,
-                                             weight_decay=cfg.weight_decay)
-    run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer,
-              fmt=ChatFormat(tokenizer), pad=pad_id(tokenizer), model=model, prec=prec, ref=ref,
-              critic=critic, optims=optims, compute_dtype=dtype,
-              engine=engine_for(cfg, prec.model, model_path, pad_id(tokenizer), device, dtype),
-              schedule=make_schedule(cfg.schedule,
-                                     stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every),
-                                     cfg.schedule_kind),
-              data_rng=random.Random(cfg.seed),
-              sample_gen=None, update_gen=torch.Generator().manual_seed(cfg.seed + global_rank()),
-              pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size,
-                           timeout=cfg.env_timeout),
-              train_ids=train_ids, test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
-              categories=tasks["categories"], threads=torch.get_num_threads(),
-              update_threads=cpu_threads(cfg.threads, leave_one=False))
-    kind = run.engine_kind = "hf" if isinstance(run.engine, HFEngine) else "vllm"
-    run.sample_gen = torch.Generator(sampling_device(kind, device)).manual_seed(
-        cfg.seed + global_rank())
-    if ckpt:
-        resume(run, ckpt)
-    return run
+def restart_if_dead(server) -> None:
+    """The local env server (an env_server.app.ServerProcess; None with --env-addr) restarted if
+    it died; the pool replaces the lost instances at its next reset."""
+    if server is not None and server.proc.poll() is not None:  # it exited
+        tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it on "
+                   f"{server.url}")
+        try:
+            server.restart()
+        except RuntimeError as e:
+            tqdm.write(f"could not restart the env server: {e}")
 
 
-def built(cfg: Config) -> str:
-    """The folder --model names (models.builtin.resolve), built once into --cache-dir (the tiny
-    model's warm start takes minutes): a failed fetch, or Ctrl-C during the build, is one line."""
-    try:
-        return resolve(cfg.model, cfg.env, cfg.cache_dir)
-    except RuntimeError as e:
-        sys.exit(f"--model {cfg.model}: {e}")
-    except KeyboardInterrupt:
-        what = f"--model {cfg.model}" if cfg.model else "the tiny model"
-        print(f"Ctrl-C: stopped building {what} in {cfg.cache_dir} (the stages built stay there); "
-              "nothing written to the run folder", file=sys.stderr, flush=True)
-        sys.exit(130)
-
-
-def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: torch.dtype):
-    """The generation engine --engine names (auto: engines.resolve_engine). vLLM loads
-    `model_path`'s weights itself, in the compute dtype, with a KV cache for the larger of a step's
-    and (where the run evaluates) an evaluation's episodes."""
-    kind = resolve_engine(cfg.engine, model_path, device)
-    batch = max(cfg.batch_size // world_size() * cfg.group_size,
-                cfg.eval_batch if cfg.eval_every else 0)
-    try:
-        engine = make_engine(kind, model, model_path, pad, batch=batch,
-                             max_model_len=cfg.max_context, dtype=dtype_name(dtype),
-                             seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                             enforce_eager=cfg.vllm_eager, kv_cache_tokens=cfg.vllm_kv_tokens)
-    except ImportError as e:
-        sys.exit(str(e))
-    if kind == "vllm" and global_rank() == 0:
-        print(f"vLLM engine started in {engine.start_s:.0f} s", flush=True)
-    return engine
-
-
-def compute_dtype(cfg: Config, device: torch.device, model: torch.nn.Module) -> torch.dtype:
-    """--dtype (policy.resolve_dtype: auto is bf16 for a real model where the hardware computes it
-    natively); under torchrun on CPU always fp32: FSDP's mixed precision is used on CUDA only."""
-    if world_size() > 1 and device.type != "cuda":
-        return torch.float32
-    return resolve_dtype(cfg.dtype, device, model)
-
-
-def resume(run: Run, ckpt: str) -> None:
-    """The checkpoint's optimizer, critic, schedule and random states into `run`; logs past it are
-    cut."""
-    cfg, rank, world = run.cfg, global_rank(), world_size()
-    try:
-        st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
-        saved = st["schedule"]  # without --schedule-every: the stages the run began with, not
-        if cfg.schedule_every is None and saved.get("every"):  # ones from a changed --steps
-            run.schedule = make_schedule(cfg.schedule, saved["every"], cfg.schedule_kind)
-        run.schedule.load_state_dict(saved)
-    except ValueError as e:
-        sys.exit(f"--resume: {e}")
-    run.prec.sync()
-    run.data_rng.setstate(st["data_rng"])
-    run.lr_scale = st.get("lr_scale", 1.0)
-    rngs = st["rank_rngs"]
-    if len(rngs) == world and st["device_type"] == run.sample_gen.device.type:
-        run.sample_gen.set_state(rngs[rank]["sample_gen"])
-        torch.set_rng_state(rngs[rank]["torch_rng"])
-        run.update_gen.set_state(rngs[rank].get("update_gen", run.update_gen.get_state()))
-    else:  # another number of ranks: same data order, new sampling streams
-        if rank == 0:
-            print(f"resuming {len(rngs)} {st['device_type']} rank(s) as {world} "
-                  f"{run.sample_gen.device.type} rank(s): the tasks continue in order, sampling "
-                  "from new seeds", flush=True)
-        for gen in (run.sample_gen, run.update_gen, torch):
-            gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
-    run.start, dtype = st["step"] + 1, dtype_name(run.compute_dtype)
-    run.minutes_before = previous_minutes(cfg.out, st)
-    try:
-        if rank == 0:
-            if st.get("dtype", dtype) != dtype:  # --dtype auto follows the hardware, not the run
-                print(f"resuming a {st['dtype']} run in {dtype} (--dtype {cfg.dtype} here)",
-                      flush=True)
-            truncate_logs(cfg.out, st["step"])
-        if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # the evaluations before the stop
-            run.evals = read_log(os.path.join(cfg.out, "eval.jsonl"))
-    except ValueError as e:
-        sys.exit(f"--resume: {e}")
-
-
-def env_ready(server, url: str, wait_s: float) -> None:
-    """Before a training step: restart the local env server (an env_server.app.ServerProcess, or
-    None) if it died; after a failed step, also wait up to `wait_s` for the server to answer (a
-    restart elsewhere takes a while). The pool replaces the lost instances at its next reset."""
+def wait_for_env(server, url: str, wait_s: float) -> None:
+    """After a step lost to env errors: wait up to `wait_s` for the server to answer (a restart
+    elsewhere takes a while), restarting the local one if it dies meanwhile."""
     deadline = time.time() + wait_s
     while True:
-        if server is not None and not server.alive():
-            tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it "
-                       f"on {server.url}")
-            try:
-                server.restart()
-            except RuntimeError as e:
-                tqdm.write(f"could not restart the env server: {e}")
-        if wait_s <= 0:
-            return
         try:
             Transport(url, timeout=5.0, retries=0).request("GET", "/")
             return
@@ -428,6 +238,7 @@ def env_ready(server, url: str, wait_s: float) -> None:
                 tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
                 return
         time.sleep(1.0)
+        restart_if_dead(server)
 
 
 def eval_due(cfg: Config, step: int) -> bool:
@@ -437,6 +248,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 def evaluate(run: Run, step: int) -> None:
     """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks; rank 0
     writes."""
+    from eval import held_out  # not at the top: eval.py loads models/, which imports this module
+
     cfg = run.cfg
     if not (cfg.eval_every and run.test_ids):
         return
@@ -479,47 +292,6 @@ def minutes(run: Run) -> float:
     return run.minutes_before + (time.time() - run.t_start) / 60
 
 
-def crashed(run: Run, e: Exception) -> None:
-    """An exception in the loop: the last whole step saved if newer than the checkpoint on disk and
-    not cut in its update (run.safe holds no state then), and a note on the exception saying how
-    to continue. Under torchrun nothing is saved: a save is collective, and the other ranks are not
-    at one."""
-    done, snap = run.safe
-    cfg, world = run.cfg, world_size()
-    on_disk = (f"the checkpoint at step {run.saved} is in {cfg.out}; continue with: "
-               f"{resume_command(cfg.out)}" if run.saved else "no checkpoint yet")
-    if done <= run.saved:
-        note = on_disk
-    elif world > 1:
-        note = f"nothing saved (under torchrun a save needs every rank); {on_disk}"
-    elif snap is None:
-        note = (f"nothing saved (it came in step {done + 1}'s update, never saved half done); "
-                f"{on_disk}")
-    else:
-        try:
-            save(run, done, snap)
-            note = (f"the last whole step saved: checkpoint at step {done} in {cfg.out}; continue "
-                    f"with: {resume_command(cfg.out)}")
-        except Exception as failed:  # the fault may stop the save too (a full disk)
-            note = f"saving step {done} failed too ({failed!r}); {on_disk}"
-    if global_rank() == 0:
-        e.add_note(f"train.py: {note}")
-
-
-def stop(run: Run, intr: Interrupts) -> None:
-    """After Ctrl-C / SIGTERM: save the last whole step, if not on disk yet, and exit 128 +
-    signal."""
-    done, snap = run.safe
-    if done > run.saved:
-        save(run, done, snap)
-    if global_rank() == 0:
-        tqdm.write(f"interrupted ({signal.Signals(intr.signum or signal.SIGINT).name}): " +
-                   (f"checkpoint at step {run.saved} in {run.cfg.out}; continue with: "
-                    f"{resume_command(run.cfg.out)}"
-                    if run.saved else "stopped before the first step ended; nothing to save"))
-    sys.exit(128 + (intr.signum or signal.SIGINT))
-
-
 def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Interrupts) -> None:
     """A step that was not trained on for env errors; after --env-error-patience of them in a row,
     stop with a checkpoint."""
@@ -537,43 +309,157 @@ def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Inte
                  f"with: {resume_command(cfg.out)}")
 
 
-def finish(run: Run, seconds: float) -> dict:
-    """The end of a run: a short table on the terminal, and every number in OUT/summary.json."""
+# ================================================================ signals
+class StopNow(BaseException):
+    """A second Ctrl-C / SIGTERM: stop at once, without a checkpoint."""
+
+
+class Interrupts:
+    """Ctrl-C and SIGTERM while training stop the run where --resume continues it exactly.
+
+    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the weights have
+    not changed since the last update, and a resumed run replays the step from the random states
+    taken at its start. Inside (the update, a checkpoint write) it waits for the section's end, so
+    that nothing is saved half updated. Under torchrun every signal waits for the end of the step,
+    where the ranks agree to stop together (a rank leaving in the middle of a collective would hang
+    the others). A second signal stops at once, without a checkpoint; an interrupted write never
+    replaces the last good one.
+    """
+
+    def __init__(self, defer_all: bool):
+        self.defer_all, self.signum, self.depth = defer_all, None, 0
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._on_signal)
+                         for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            raise StopNow(f"{signal.Signals(signum).name} again: stopped without a checkpoint")
+        self.signum = signum
+        if self.depth == 0 and not self.defer_all:
+            raise KeyboardInterrupt
+        if global_rank() == 0:
+            tqdm.write(f"{signal.Signals(signum).name}: stopping after this "
+                       f"{'step' if self.defer_all else 'update'} with a checkpoint (send it again "
+                       "to stop at once, without one)")
+
+    @contextlib.contextmanager
+    def critical(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.depth == 0 and self.signum is not None and not self.defer_all:
+            raise KeyboardInterrupt
+
+
+# ================================================================ the update's machinery
+SKIP_IDLE = True  # off: idle rows are forwarded too, to the same update (tests/test_plain_layers)
+
+
+class Rows:
+    """A step's trajectories as a padded batch on the device (plus, under torchrun, one blank row
+    at index B), and their micro-batches of similar length (at most --micro-batch-tokens each)."""
+
+    def __init__(self, run, trajs: list[Trajectory]):
+        self.B, self.world, self.max_tokens = len(trajs), world_size(), run.cfg.micro_batch_tokens
+        blank = ([Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])]
+                 if self.world > 1 else [])
+        self.trajs = list(trajs) + blank  # the rows, in order
+        self.batch = {k: v.to(run.device) for k, v in build_batch(self.trajs, run.pad).items()}
+        self.lengths = self.batch["attention_mask"].sum(-1).tolist()
+
+    def micro_batches(self, rows: list[int], skip=frozenset()) -> list[list[int]]:
+        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in length
+        buckets, then blank passes up to the busiest rank's count."""
+        rows = [i for i in rows if i not in skip] if SKIP_IDLE else list(rows)
+        buckets = [[rows[j] for j in b]
+                   for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
+        return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
+
+    def passes(self, fn, skip=frozenset()) -> torch.Tensor:
+        """fn(rows, mask) -> (b, t-1) over every row but `skip`, without gradients: (B, T-1). Each
+        micro-batch is cut to its longest row (t <= T), as the update's are: `rows` holds its
+        input_ids, attention_mask, position_ids (b, t), `mask` its loss mask (b, t-1)."""
+        mask = self.batch["loss_mask"][:, 1:]
+        out = torch.zeros_like(mask)
+        with torch.no_grad():
+            for idx in self.micro_batches(list(range(self.B)), skip):
+                t = max(self.lengths[i] for i in idx)
+                rows = {k: self.batch[k][idx, :t]
+                        for k in ("input_ids", "attention_mask", "position_ids")}
+                out[idx, :t - 1] = fn(rows, mask[idx, :t - 1])
+        return out
+
+
+def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
+    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO on a group
+    whose outcomes all tie) and the loss has no KL, entropy or value term. They are never forwarded;
+    the loss denominators still count them, so the update equals the one computing them (a zero
+    gradient)."""
     cfg = run.cfg
-    evals = [e for e in run.evals if e["tasks"]]  # one the env server failed has no result
-    rows = read_log(os.path.join(cfg.out, "metrics.jsonl"))
-    k = max(1, min(5, len(rows) // 2))
-    mean = lambda rs, key: sum(r[key] for r in rs) / max(1, len(rs))  # noqa: E731
-    out = {"steps": len(rows), "minutes": run.minutes_before + seconds / 60, "out": cfg.out,
-           "dtype": dtype_name(run.compute_dtype),  # what --dtype resolved to here
-           "train_success_first": mean(rows[:k], "success_rate"),
-           "train_success_last": mean(rows[-k:], "success_rate")}
-    table = [(f"training success (mean of {k} step{'s' * (k != 1)})", out["train_success_first"],
-              out["train_success_last"])]
-    if len(evals) >= 2:
-        a, b = evals[0], evals[-1]
-        for key, name in (("success_rate", "eval_success"), ("step", "eval_step"),
-                          ("by_category", "eval_by_category")):
-            out.update({f"{name}_start": a[key], f"{name}_end": b[key]})
-        out.update(guess_share_start=a.get("guess_share", 0.0),
-                   guess_share_end=b.get("guess_share", 0.0))
-        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
-                       f"{b.get('samples', 1)}, K={b['max_turns']})", a["success_rate"],
-                      b["success_rate"]))
-        # the built-in warm start's planted habit
-        if out["guess_share_start"] or out["guess_share_end"]:
-            table.append(("opening with the warm start's habit", out["guess_share_start"],
-                          out["guess_share_end"]))
-        table += [(f"  {c}", a["by_category"].get(c, float("nan")), v)
-                  for c, v in b["by_category"].items()]
-    w = max(len(r[0]) for r in table)
-    print(f"\nrun {cfg.out}: {len(rows)} steps in {out['minutes']:.1f} min\n  {'':{w}}  start"
-          "    end",
-          flush=True)
-    for name, x, y in table:
-        print(f"  {name:{w}}  {x:5.3f}  {y:5.3f}  {100 * (y - x):+6.1f} points")
-    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: python -m tools.plot "
-          f"{cfg.out}", flush=True)
-    return out
+    if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
+        return set()
+    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass over the batch, not one per row
+    return {i for i, x in enumerate(signal) if x == 0}
+
+
+class UpdateStats:
+    """Sums over this rank, added over ranks at the end: losses weighted by their share of the
+    global loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch
+    per token; and the first mini-batch's log-probs before any optimizer step, for update_kl."""
+
+    KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
+            "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
+
+    def __init__(self):
+        self.acc = dict.fromkeys(self.KEYS, 0.0)
+        self.grad_norms, self.before, self.first = [], [], False
+
+    def add(self, rows: Rows, idx, T, share, loss, entropy, kl, vloss, pst, lp, mb_mask, cut):
+        acc = self.acc
+        for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
+            acc[k] += share * float(val.detach())
+        acc["share"] += share
+        if vloss is not None:
+            acc["value_loss"] += share * float(vloss.detach())
+        if self.first:
+            self.before.append((idx, lp))
+        if idx == [rows.B]:  # a blank pass: nothing to count
+            return
+        acc["padded"] += len(idx) * T
+        acc["real"] += int(rows.batch["attention_mask"][idx].sum())
+        acc["micro_batches"] += 1
+        acc["clip_frac"] += pst["clip_frac"]
+        acc["approx_kl"] += pst["approx_kl"]
+        if self.first:  # before any update: how far the trainer's log-probs are from the sampler's
+            sel, mb_sampler = mb_mask > 0, cut["sampler_lp"]
+            acc["logprob_diff"] += float((lp - mb_sampler).abs()[sel].sum())
+            acc["logprob_kl"] += float(algos.kl_penalty(mb_sampler, lp, "k3", None)[sel].sum())
+            acc["mismatch_tokens"] += float(sel.sum())
+
+    def metrics(self, run, batch: dict, mask, n_steps: int, idle: int) -> dict:
+        tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
+        keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
+        out = {k: tot[k] / n_steps for k in keys}
+        # the entropy of the rows forwarded: idle rows (train.idle_rows) add 0 to the loss, which
+        # is exact, but their entropy is not known
+        out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
+        out.update({k: tot[k] / max(tot["micro_batches"], 1) for k in ("clip_frac", "approx_kl")})
+        # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)
+        out.update({k: tot[k] / max(tot["mismatch_tokens"], 1)
+                    for k in ("logprob_diff", "logprob_kl")})
+        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        out["padding_share"] = 1 - tot["real"] / max(tot["padded"], 1)
+        out["train_tokens"] = int(tot["real"])
+        out["idle_rows"] = all_sum([float(idle)])[0]
+        return out
+
+

@@ -17,6 +17,7 @@ from conftest import ROOT
 from test_faults import TINY, Faulty, finish, metrics, n_metrics, rollouts, start_train, wait_for
 
 from trainer import checkpoints
+from trainer import run as run_layer
 import models.builtin as models
 
 COMMON = [*TINY, "--schedule", "2,4", "--schedule-every", "2", "--algo", "ppo"]
@@ -162,7 +163,7 @@ def test_a_torn_last_log_line_is_dropped_and_any_other_bad_line_named(tmp_path, 
 
 
 def test_a_signal_waits_for_the_critical_section():
-    with checkpoints.Interrupts(defer_all=False) as intr:
+    with run_layer.Interrupts(defer_all=False) as intr:
         with pytest.raises(KeyboardInterrupt):  # outside: at once
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
@@ -173,7 +174,7 @@ def test_a_signal_waits_for_the_critical_section():
                 time.sleep(0.05)
                 reached = True  # the section runs to its end ...
         assert reached and intr.signum == signal.SIGINT  # ... and the stop comes after it
-        with pytest.raises(checkpoints.StopNow):  # a second signal: at once
+        with pytest.raises(run_layer.StopNow):  # a second signal: at once
             with intr.critical():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)
@@ -181,7 +182,7 @@ def test_a_signal_waits_for_the_critical_section():
 
 
 def test_deferred_mode_only_records():
-    with checkpoints.Interrupts(defer_all=True) as intr:
+    with run_layer.Interrupts(defer_all=True) as intr:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert intr.signum == signal.SIGTERM  # the loop reads it at the end of the step

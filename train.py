@@ -12,10 +12,10 @@ learning rate (`set_lr`); each trajectory is one row of token ids whose loss mas
 the policy sampled; the estimator --algo turns outcomes into per-token advantages (algos.py);
 `ppo_epochs` passes of the clipped loss over mini-batches move the policy (`update`: the ratio's
 denominator is chosen there); the --max-update-kl guard (`guard`); the engine gets the new weights;
-one line of metrics. Layers (trainer/, models/) change speed, robustness and logging, never what
-is computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat template), pool
-(env instances), schedule, model (the fp32 master weights), prec.model (the copy that computes: the
-master, or its bf16 copy), ref, critic, optims.
+one line of metrics. Layers (trainer/, models/) change speed, robustness and logging, never what is
+computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat template), pool (env
+instances), schedule, model (fp32 master weights), prec.model (what computes: model or a bf16 copy),
+ref, critic, optims.
 """
 
 from __future__ import annotations
@@ -187,10 +187,9 @@ def advantages(run, rows: layer.Rows) -> tuple:
 
 
 def update(run, rows: layer.Rows, adv, returns, values) -> dict:
-    """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length. Under
-    torchrun the update equals one process's on every rank's trajectories: each micro-batch's loss
-    is weighted by its share of the global loss (`micro_weight`), and a rank with fewer
-    micro-batches than the busiest runs blank ones (FSDP's passes are collectives)."""
+    """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length; under
+    torchrun, one process's update on every rank's rows: each micro-batch's loss weighs its share
+    (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP's collectives)."""
     cfg, world, batch, B = run.cfg, ranks.world_size(), rows.batch, rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are (B, T-1)
     mask, sampler_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
@@ -254,7 +253,7 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
                                   cfg.clip_high, cfg.dual_clip, cfg.loss_agg, cut["tis"])
     entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
     loss = loss - cfg.entropy_coef * entropy
-    kl = torch.zeros(())
+    kl = None  # no reference: no KL term
     if cut["ref_lp"] is not None:
         kl = algos.agg_loss(algos.kl_penalty(lp, cut["ref_lp"], cfg.kl_kind), mb_mask, cfg.loss_agg)
         loss = loss + cfg.kl_coef * kl
@@ -265,7 +264,9 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
         (w * vloss).backward()
     (w * loss).backward()
     run.prec.collect_grads()  # bf16 gradients into the fp32 master's, micro-batch by micro-batch
-    stats.add(rows, idx, T, w / world, loss, entropy, kl, vloss, pst, lp.detach(), mb_mask, cut)
+    terms = {"loss": loss, "entropy": entropy, "kl": kl, "value_loss": vloss}
+    stats.add(rows, idx, share=w / world, terms=terms, clip=pst, lp=lp.detach(), mask=mb_mask,
+              sampler_lp=cut["sampler_lp"])
 
 
 def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world: int = 1) -> float:
@@ -277,10 +278,9 @@ def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world:
 
 def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
               before: list) -> float | None:
-    """How far this step's update moved the policy: k3 KL(before || after) per sampled token of
-    the first mini-batch's rows but the idle ones (so the figure does not depend on the skip), the
-    log-probs before kept by its first passes, those after from one more forward; the trainer's on
-    both sides, so the sampler's rounding is not in it (logprob_diff is)."""
+    """How far the update moved the policy: k3 KL(before || after) per sampled token of the first
+    mini-batch's rows but the idle ones, before from its first passes, after from one more forward
+    (the trainer's both: the sampler's rounding is in logprob_diff, not here)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
     for idx, lp_before in before:  # as many passes on every rank: FSDP's forward is a collective

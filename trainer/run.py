@@ -42,19 +42,17 @@ from trainer.distributed import (Precision, all_gather_list, all_max, all_sum, g
 
 # ================================================================ the named points of train.py
 @contextlib.contextmanager
-def generating(run_or_engine, model=None):
+def generating(run):
     """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back
     to sleep after, leaving the memory to the update; HF generate with the policy's weights gathered
     (under torchrun each rank generates alone: distributed.gathered)."""
-    engine = getattr(run_or_engine, "engine", run_or_engine)
-    model = run_or_engine.prec.model if model is None else model
-    engine.wake_up()
+    run.engine.wake_up()
     try:
-        sharded = world_size() > 1 and isinstance(engine, HFEngine)  # FSDP shards the HF policy
-        with gathered(model) if sharded else contextlib.nullcontext():
+        sharded = world_size() > 1 and isinstance(run.engine, HFEngine)  # FSDP shards the policy
+        with gathered(run.prec.model) if sharded else contextlib.nullcontext():
             yield
     finally:
-        engine.sleep()
+        run.engine.sleep()
 
 
 def log_rollout(run, step: int, K: int, played: list[Trajectory], m: dict, seconds: float):
@@ -256,7 +254,7 @@ def evaluate(run: Run, step: int) -> None:
     rcfg = RolloutConfig.of(cfg, cfg.eval_turns or max(horizons(cfg.schedule)))
     # the same each time
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())
-    with generating(run.engine, run.prec.model):
+    with generating(run):
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen,
                      cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories, cfg.eval_samples)
     run.evals.append(r)
@@ -423,26 +421,27 @@ class UpdateStats:
         self.acc = dict.fromkeys(self.KEYS, 0.0)
         self.grad_norms, self.before, self.first = [], [], False
 
-    def add(self, rows: Rows, idx, T, share, loss, entropy, kl, vloss, pst, lp, mb_mask, cut):
+    def add(self, rows: Rows, idx, share: float, terms: dict, clip: dict, lp, mask, sampler_lp):
+        """One micro-batch (rows `idx`): its loss `terms` (None: not in the loss) by its `share` of
+        the global loss, the clipping statistics, its log-probs `lp` against the sampler's."""
         acc = self.acc
-        for k, val in (("loss", loss), ("entropy", entropy), ("kl", kl)):
-            acc[k] += share * float(val.detach())
+        for k, value in terms.items():
+            if value is not None:
+                acc[k] += share * float(value.detach())
         acc["share"] += share
-        if vloss is not None:
-            acc["value_loss"] += share * float(vloss.detach())
         if self.first:
             self.before.append((idx, lp))
         if idx == [rows.B]:  # a blank pass: nothing to count
             return
-        acc["padded"] += len(idx) * T
+        acc["padded"] += len(idx) * (mask.shape[1] + 1)
         acc["real"] += int(rows.batch["attention_mask"][idx].sum())
         acc["micro_batches"] += 1
-        acc["clip_frac"] += pst["clip_frac"]
-        acc["approx_kl"] += pst["approx_kl"]
+        acc["clip_frac"] += clip["clip_frac"]
+        acc["approx_kl"] += clip["approx_kl"]
         if self.first:  # before any update: how far the trainer's log-probs are from the sampler's
-            sel, mb_sampler = mb_mask > 0, cut["sampler_lp"]
-            acc["logprob_diff"] += float((lp - mb_sampler).abs()[sel].sum())
-            acc["logprob_kl"] += float(algos.kl_penalty(mb_sampler, lp, "k3", None)[sel].sum())
+            sel = mask > 0
+            acc["logprob_diff"] += float((lp - sampler_lp).abs()[sel].sum())
+            acc["logprob_kl"] += float(algos.kl_penalty(sampler_lp, lp, "k3", None)[sel].sum())
             acc["mismatch_tokens"] += float(sel.sum())
 
     def metrics(self, run, batch: dict, mask, n_steps: int, idle: int) -> dict:

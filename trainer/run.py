@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import algos
 from engines import HFEngine
+from eval import held_out
 from env_client import EnvError, EnvPool, Transport
 from models.policy import dtype_name
 from rollout import (ChatFormat, RolloutConfig, Trajectory, build_batch, informative_groups,
@@ -246,8 +247,6 @@ def eval_due(cfg: Config, step: int) -> bool:
 def evaluate(run: Run, step: int) -> None:
     """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks; rank 0
     writes."""
-    from eval import held_out  # not at the top: eval.py loads models/, which imports this module
-
     cfg = run.cfg
     if not (cfg.eval_every and run.test_ids):
         return

@@ -5,23 +5,19 @@
     python train.py --env corridor --steps 40 --out runs/c --resume   # continue a run
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct
 
-One step, in `main`'s order: the schedule gives the horizon K; `batch_size` tasks x `group_size`
-copies are played for up to K turns (rollout.py); which trajectories are trained on (env errors
-never; none on a step with too many; --dynamic-sampling replaces groups whose outcomes tie); the
-learning rate (`set_lr`); each trajectory is one row of token ids whose loss mask marks the tokens
-the policy sampled; the estimator --algo turns outcomes into per-token advantages (algos.py);
-`ppo_epochs` passes of the clipped loss over mini-batches move the policy (`update`: the ratio's
-denominator is chosen there); the --max-update-kl guard (`guard`); the engine gets the new weights;
-one line of metrics. Layers (trainer/, models/) change speed, robustness and logging, never what is
-computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat template), pool (env
-instances), schedule, model (fp32 master weights), prec.model (what computes: model or a bf16 copy),
-ref, critic, optims.
+A step, in `main`'s order: the horizon K; the rollout (rollout.py); which trajectories are
+trained on; the learning rate; the advantages (algos.py); the update by the clipped loss (the
+ratio's denominator is chosen in `update`); the --max-update-kl guard; the new weights to the
+sampler; a line of metrics. Layers (trainer/, models/) change speed, robustness and logging,
+never what is computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat
+template), pool (env instances), schedule, model (fp32 master weights), prec.model (what
+computes: model or its bf16 copy), ref, critic, optims.
 """
 
 from __future__ import annotations
 
 import os
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (trainer/cli.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: trainer/cli.py
 import math
 import time
 
@@ -34,7 +30,7 @@ from rollout import (EnginePolicy, RolloutConfig, Trajectory, informative_groups
                      turn_state_keys)
 from trainer import config  # the flags, their checks and the real-model settings
 from trainer import run as layer  # the loop's layer: steps, progress, logs, batching, signals
-from trainer import setup  # the run set up (models, engine, env, --resume) and ended (summary)
+from trainer import setup  # a run set up (models, engine, env, --resume) and ended
 from trainer import distributed as ranks  # torchrun's collectives (one process: the identity)
 
 
@@ -44,9 +40,9 @@ def parse_args(argv=None) -> config.Config:
 
 
 def main(cfg: config.Config) -> dict:
-    with setup.started(cfg) as run:  # models, engine, env pool, tasks; --resume: the checkpoint's
-        for step in run.steps():  # progress bar; evaluations, checkpoints and signals between steps
-            K = run.schedule.max_turns(step)  # ScalingInter-RL: the horizon grows stage by stage
+    with setup.started(cfg) as run:  # models, engine, env pool, tasks; or a checkpoint's
+        for step in run.steps():  # between steps: evaluations, checkpoints, signals
+            K = run.schedule.max_turns(step)  # ScalingInter-RL: K grows stage by stage
             # ---- rollout: batch_size tasks x group_size samples each, up to K turns
             t0 = time.time()
             rcfg = RolloutConfig.of(cfg, K)
@@ -55,13 +51,13 @@ def main(cfg: config.Config) -> dict:
             progress = run.progress(K)
 
             def play(items, groups):
-                with layer.generating(run):  # vLLM woken up; under torchrun HF weights gathered
-                    return rollout(policy, run.pool, cfg.env, items, groups, rcfg, fmt=run.fmt,
-                                   agent=cfg.agent, progress=progress)
+                with layer.generating(run):  # vLLM awake; under torchrun HF weights gathered
+                    return rollout(policy, run.pool, cfg.env, items, groups, rcfg,
+                                   fmt=run.fmt, agent=cfg.agent, progress=progress)
 
             trajs = play(item_ids, groups)
             # ---- which trajectories are trained on
-            played = ranks.all_gather_list(trajs)  # every rank's: the step's metrics and its log
+            played = ranks.all_gather_list(trajs)  # every rank's: for metrics and the log
             m = layer.rollout_metrics(played, K)
             n_played, errors = len(played), m["status_env_error"]
             # Too many env errors: what is left is a biased sample (say, only the short episodes)
@@ -73,9 +69,10 @@ def main(cfg: config.Config) -> dict:
                 played += extra
                 m["resampled_groups"] = len({t.group for t in extra})
                 m["trained_groups"] = len({t.group for t in trajs})
-            kept = [t for t in trajs if t.status != "env_error"]  # an env error is not a reward
+            kept = [t for t in trajs if t.status != "env_error"]  # an error is no reward
             layer.log_rollout(run, step, K, played, m, time.time() - t0)
-            trainable = n_played > errors and not m["bad"] and (kept or ranks.world_size() > 1)
+            spoilt = m["bad"] or errors == n_played  # by env errors
+            trainable = not spoilt and (kept or ranks.world_size() > 1)
             with run.critical():  # a signal here waits: never save half an update
                 t1 = time.time()
                 if trainable:  # under torchrun every rank takes part, with or without rows
@@ -90,7 +87,7 @@ def main(cfg: config.Config) -> dict:
                     m.update(update(run, rows, adv, returns, values))
                 guard(run, step, m)  # --max-update-kl: too far a move halves later rates
                 m["time_update_s"] = time.time() - t1
-                # ---- the sampler gets the new weights (HF samples with this very module)
+                # ---- the sampler gets the weights (HF samples with this very module)
                 seconds = run.engine.sync_weights(run.prec.model)  # what copying them took
                 m["time_sync_s"] = seconds
                 run.log(step, m)  # metrics.jsonl, reporters; a stop now saves this step
@@ -102,7 +99,8 @@ def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list
     play(items, groups) run until the update sees --batch-size informative groups (fewer if the
     rounds run out). --resample fresh (DAPO): a fresh task under a new group id replaces a tied
     group; extend: the tied group's own task --group-size more times under its id, so that a task
-    solved 1 time in 8 still shows its win. Returns (the trajectories to train on, the extra)."""
+    solved 1 time in 8 still shows its win. Returns (the trajectories to train on, the extra).
+    One process only: trainer/config.py refuses --dynamic-sampling under torchrun."""
     cfg = run.cfg
     keep = informative_groups(trajs)
     kept = [t for t in trajs if t.group in keep]
@@ -121,11 +119,11 @@ def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list
             groups = [next_group + g for g in range(len(fresh)) for _ in range(cfg.group_size)]
             next_group += len(fresh)
         extra += play(item_ids, groups)
-        played = [t for t in trajs + extra if t.group in groups]  # a grown group: both its rounds
-        keep = informative_groups(played)
-        kept += [t for t in played if t.group in keep]
+        grown = [t for t in trajs + extra if t.group in groups]  # a group's every round
+        keep = informative_groups(grown)
+        kept += [t for t in grown if t.group in keep]
         if cfg.resample == "extend":
-            tied = {t.group: t.item_id for t in played if t.group not in keep}
+            tied = {t.group: t.item_id for t in grown if t.group not in keep}
     return kept, extra
 
 
@@ -142,8 +140,8 @@ def set_lr(run, step: int) -> float:
 
 def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
     """The base rate's share at `step` of `steps`: 1, or with --lr-decay linear or cosine down to
-    1/steps at the last step (never 0); --warmup-steps first ramp it, s / (warmup + 1) at step
-    s <= warmup (Adam's first steps are full size whatever the gradient's scale)."""
+    1/steps at the last step (never 0), times s / (warmup + 1) at a step s <= --warmup-steps
+    (Adam's first steps are full size whatever the gradient's scale)."""
     low = 1.0 / steps
     ramp = step / (warmup + 1) if step <= warmup else 1.0
     if decay == "linear":
@@ -171,12 +169,12 @@ def advantages(run, rows: layer.Rows) -> tuple:
     """(advantages, returns, values), each (B, T-1) on sampled tokens, by the --algo estimator.
     Whitening uses every rank's tokens (global_whiten), as one process holding all rows would."""
     cfg, batch, trajs = run.cfg, rows.batch, rows.trajs
-    mask = batch["loss_mask"][:, 1:]  # token t+1's, at t: where the logits that produced it are
+    mask = batch["loss_mask"][:, 1:]  # token t+1's at t, where the logits that produced it are
     est = algos.estimator(cfg.algo)
     values = None
     if est.critic:  # V of the prefix that produced token t+1
         values = rows.passes(lambda mb, mb_mask: run.critic(**mb)[:, :-1])
-    keys = [turn_state_keys(t) for t in trajs] if cfg.algo == "gigpo" else None  # GiGPO's anchors
+    keys = [turn_state_keys(t) for t in trajs] if cfg.algo == "gigpo" else None
     x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, cfg.gamma,
                               cfg.lam, whiten=ranks.global_whiten,
                               turn_ids=batch["turn_ids"][:, 1:],  # shifted as the mask
@@ -190,56 +188,57 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length; under
     torchrun, one process's update on every rank's rows: each micro-batch's loss weighs its share
     (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP's collectives)."""
-    cfg, world, batch, B = run.cfg, ranks.world_size(), rows.batch, rows.B
-    # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are (B, T-1)
-    mask, sampler_lp = batch["loss_mask"][:, 1:], batch["old_logprobs"][:, 1:]
-    idle = layer.idle_rows(run, adv, mask, B)  # rows that add nothing to the loss: never forwarded
-    ref_lp = None
-    if run.ref is not None:  # the KL reference: the initial policy
-        ref_lp = rows.passes(lambda mb, mb_mask: token_logprobs(run.ref, mb, cfg.temperature,
-                                                                mask=mb_mask)[0])
+    cfg, world, B = run.cfg, ranks.world_size(), rows.B
+    # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are
+    mask = rows.batch["loss_mask"][:, 1:]  # (B, T-1)
+    sampler_lp = rows.batch["old_logprobs"][:, 1:]
+    idle = layer.idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: not forwarded
+    ref_lp = None if run.ref is None else logprobs(run, run.ref, rows)  # the initial policy's
     # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
     # numbers, in fp32 (HF or vLLM: 3.4e-6 apart a token, bench/sampler_gap.py); else the
     # trainer's, recomputed: in bf16 a cached decode and a whole-row forward round differently
     # (0.04 a token), vLLM renormalises a top_p < 1 nucleus, and --tis-cap compares the two.
-    old_lp = sampler_lp
-    if (cfg.tis_cap is not None or run.compute_dtype != torch.float32
-            or (run.engine_kind != "hf" and cfg.top_p < 1)):
-        old_lp = rows.passes(lambda mb, mb_mask: token_logprobs(run.prec.model, mb,
-                                                                cfg.temperature, mask=mb_mask)[0],
-                             skip=idle)
+    recompute = (cfg.tis_cap is not None or run.compute_dtype != torch.float32
+                 or (run.engine_kind != "hf" and cfg.top_p < 1))
+    old_lp = logprobs(run, run.prec.model, rows, skip=idle) if recompute else sampler_lp
     tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
-    targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp, "tis": tis,
-               "values": values, "returns": returns}
+    targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp,
+               "tis": tis, "values": values, "returns": returns}
     stats = layer.UpdateStats()
     mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # rows per rank
     n_minis = ranks.all_max(-(-B // mbs))
     for epoch in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=run.update_gen).tolist()
         for s in range(n_minis):
-            mini = perm[s * mbs:(s + 1) * mbs]  # may be empty on a rank with fewer trajectories
-            (denominator,) = ranks.all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
+            mini = perm[s * mbs:(s + 1) * mbs]  # empty on a rank with fewer trajectories
+            (loss_norm,) = ranks.all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
             for o in run.optims.values():
                 o.zero_grad(set_to_none=True)
             stats.first = epoch == 0 and s == 0  # no optimizer step yet
             for idx in rows.micro_batches(mini, skip=idle):
-                micro_step(run, rows, mask, targets, idx, denominator, stats)
+                micro_step(run, rows, mask, targets, idx, loss_norm, stats)
             if world == 1 and not any(p.grad is not None for p in run.model.parameters()):
                 for p in run.model.parameters():  # all rows idle: the zero gradient they give
                     p.grad = torch.zeros_like(p)
-            stats.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
-                                                                         cfg.max_grad_norm)))
+            norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+            stats.grad_norms.append(float(norm))
             if run.critic is not None:
                 torch.nn.utils.clip_grad_norm_(run.critic.parameters(), cfg.max_grad_norm)
             for o in run.optims.values():
                 o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
-    m = stats.metrics(run, batch, mask, cfg.ppo_epochs * n_minis, len(idle))
-    m["update_kl"] = update_kl(run, batch, mask, idle, stats.before)  # --max-update-kl's measure
+    m = stats.metrics(run, rows.batch, mask, cfg.ppo_epochs * n_minis, len(idle))
+    m["update_kl"] = update_kl(run, rows.batch, mask, idle, stats.before)  # the guard's measure
     return m
 
 
-def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: float, stats) -> None:
+def logprobs(run, model, rows: layer.Rows, skip=frozenset()) -> torch.Tensor:
+    """`model`'s log-probs of the rows' tokens, (B, T-1), without gradients (0 on `skip`)."""
+    t = run.cfg.temperature
+    return rows.passes(lambda mb, mb_mask: token_logprobs(model, mb, t, mask=mb_mask)[0], skip)
+
+
+def micro_step(run, rows, mask, targets: dict, idx: list[int], loss_norm: float, stats):
     """Forward and backward of one micro-batch (rows `idx`): the clipped policy loss, the entropy
     bonus, the KL to the reference, the critic's value loss; their statistics into `stats`."""
     cfg, world, batch = run.cfg, ranks.world_size(), rows.batch
@@ -247,15 +246,16 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
     mb = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
     mb_mask = mask[idx, :T - 1]
     cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
-    w = micro_weight(mb_mask, denominator, cfg.loss_agg, world)  # its share of the loss
-    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, with_entropy=True, mask=mb_mask)
+    w = micro_weight(mb_mask, loss_norm, cfg.loss_agg, world)  # its share of the loss
+    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask, with_entropy=True)
     loss, pst = algos.policy_loss(lp, cut["old_lp"], cut["adv"], mb_mask, cfg.clip_low,
                                   cfg.clip_high, cfg.dual_clip, cfg.loss_agg, cut["tis"])
     entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
     loss = loss - cfg.entropy_coef * entropy
     kl = None  # no reference: no KL term
     if cut["ref_lp"] is not None:
-        kl = algos.agg_loss(algos.kl_penalty(lp, cut["ref_lp"], cfg.kl_kind), mb_mask, cfg.loss_agg)
+        kl_tokens = algos.kl_penalty(lp, cut["ref_lp"], cfg.kl_kind)
+        kl = algos.agg_loss(kl_tokens, mb_mask, cfg.loss_agg)
         loss = loss + cfg.kl_coef * kl
     vloss = None
     if run.critic is not None:
@@ -263,17 +263,17 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], denominator: floa
                                     mb_mask, cfg.value_clip, cfg.loss_agg)
         (w * vloss).backward()
     (w * loss).backward()
-    run.prec.collect_grads()  # bf16 gradients into the fp32 master's, micro-batch by micro-batch
+    run.prec.collect_grads()  # bf16 gradients into the fp32 master's, each micro-batch
     terms = {"loss": loss, "entropy": entropy, "kl": kl, "value_loss": vloss}
     stats.add(rows, idx, share=w / world, terms=terms, clip=pst, lp=lp.detach(), mask=mb_mask,
               sampler_lp=cut["sampler_lp"])
 
 
-def micro_weight(mask_micro: torch.Tensor, denominator: float, mode: str, world: int = 1) -> float:
-    """A micro-batch's loss weight, world * agg_denominator(micro) / denominator (the mini-batch's,
-    over all ranks): the accumulated gradients are the mini-batch loss's in every --loss-agg mode;
-    `world` undoes FSDP's average over ranks."""
-    return world * algos.agg_denominator(mask_micro, mode) / max(denominator, 1.0)
+def micro_weight(mask_micro, loss_norm: float, mode: str, world: int = 1) -> float:
+    """A micro-batch's loss weight, world * agg_denominator(micro) / loss_norm (the mini-batch's
+    agg_denominator over all ranks): the accumulated gradients are the mini-batch loss's in every
+    --loss-agg mode; `world` undoes FSDP's average over ranks."""
+    return world * algos.agg_denominator(mask_micro, mode) / max(loss_norm, 1.0)
 
 
 def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
@@ -283,17 +283,17 @@ def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
     (the trainer's both: the sampler's rounding is in logprob_diff, not here)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
-    for idx, lp_before in before:  # as many passes on every rank: FSDP's forward is a collective
+    for idx, lp_before in before:  # as many on every rank: FSDP's forward is a collective
         T = lp_before.shape[1] + 1
         m = mask[idx, :T - 1]
-        rows = {k: batch[k][idx][:, :T] for k in ("input_ids", "attention_mask", "position_ids")}
+        rows = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
         with torch.no_grad():
             lp_after, _ = token_logprobs(run.prec.model, rows, run.cfg.temperature, mask=m)
         sel = (m > 0) & moves[idx][:, None]
         kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
         tokens += float(sel.sum())
     kl_sum, tokens = ranks.all_sum([kl_sum, tokens])
-    return kl_sum / tokens if tokens else None  # None: the first mini-batch held only idle rows
+    return kl_sum / tokens if tokens else None  # None: the first mini-batch was all idle
 
 
 if __name__ == "__main__":

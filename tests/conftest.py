@@ -63,6 +63,33 @@ def pytest_sessionstart(session):
         reporter.write_line(line)
 
 
+def bench_stdout(argv: list[str], monkeypatch, capsys, in_process: bool) -> str:
+    """What `python bench/NAME.py ARGS` (argv = ["bench/NAME.py", *ARGS]) prints: run as a command,
+    or in this process by its main() (the same argv; the torch threads it sets put back), which
+    saves a start of torch and transformers where the command itself is tested once already."""
+    import subprocess
+
+    if not in_process:
+        r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    module = importlib.import_module(os.path.basename(argv[0])[:-3])
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out
+
+
 # The tests that load SmolLM2 or start a real vLLM share one cache folder (one of them rebuilds the
 # warm start in it) and vLLM's memory: under pytest-xdist they all run on one worker, in order, and
 # first (the longest group; started last, it would leave the other worker idle at the end).

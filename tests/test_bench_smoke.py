@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, bench_stdout
 
 
 def test_env_throughput_bench_runs():
@@ -166,12 +166,13 @@ def test_first_thoughts_reads_recipes_and_judges_marks(tmp_path):
     assert bad.returncode != 0 and bad.stderr.strip().endswith("(it has no per-task scores)")
 
 
-def test_sampler_gap_and_replay_step_read_a_step_log(tmp_path):
+def test_sampler_gap_and_replay_step_read_a_step_log(tmp_path, monkeypatch, capsys):
     """The HF engine in fp32 samples with the trainer's own module: its recorded log-probs are the
     trainer's to float precision on every sampled token (a row or position off by one would not be);
     bf16 rounds them apart. replay_step.py puts the step through train.update (the run's setting
     first, moving the policy not at all against itself), and rollout_overhead.py plays and trains
-    once, both through the update's own calls."""
+    once, both through the update's own calls. (sampler_gap.py runs as a command in fp32 and in
+    this process, its main() on the same command line, in bf16.)"""
     import json
 
     import models.tiny as tiny_model
@@ -187,13 +188,10 @@ def test_sampler_gap_and_replay_step_read_a_step_log(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     gap = {}
     for dtype in ("fp32", "bf16"):
-        out = subprocess.run([sys.executable, "bench/sampler_gap.py",
-                              str(run / "rollouts" / "step_000001.jsonl"),
-                              "--env", "corridor", "--model", path, "--dtype", dtype,
-                              "--threads", "1"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        gap[dtype] = json.loads(out.stdout.strip().splitlines()[-1])
+        argv = ["bench/sampler_gap.py", str(run / "rollouts" / "step_000001.jsonl"),
+                "--env", "corridor", "--model", path, "--dtype", dtype, "--threads", "1"]
+        shown = bench_stdout(argv, monkeypatch, capsys, in_process=dtype == "bf16")
+        gap[dtype] = json.loads(shown.strip().splitlines()[-1])
     assert gap["fp32"]["rows"] >= 8 and gap["fp32"]["tokens"] > 8  # every round of the step
     assert gap["fp32"]["max_abs"] < 1e-4 and gap["fp32"]["outside_clip"] == 0
     assert gap["bf16"]["mean_abs"] > 10 * gap["fp32"]["mean_abs"]

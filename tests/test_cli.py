@@ -95,6 +95,18 @@ def one_line_error(r, needle):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]  # no traceback
 
 
+def one_line_refusal(argv, needle, capsys, parse=train.parse_args):
+    """one_line_error in this process, for train.parse_args (or `parse`: a script's own), where the
+    script checks its flags before anything is written: exit 2, one line on stderr naming
+    `needle`."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err, (argv, err[-2000:])
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+
+
 def test_a_missing_model_folder_is_one_line_and_leaves_no_run_folder(tmp_path):
     out = tmp_path / "run"
     for script in ("train.py", "eval.py", "sft.py"):
@@ -153,7 +165,10 @@ def test_fewer_steps_than_stages_warns(capsys):
     assert "reaches 2 of the 3 stages" in capsys.readouterr().err
 
 
-def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir):
+def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir, capsys):
+    """A run's config.json replays it, flags beside it overriding it; as it was, its folder holds
+    that run (refused, as train.py's user sees it); a file with a field train.py does not have is
+    refused in one line (through train.parse_args)."""
     out = tmp_path / "first"
     assert run(["train.py", *TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out),
                 "--cache-dir", cache_dir]).returncode == 0
@@ -168,8 +183,8 @@ def test_config_replays_a_run_and_flags_override_it(tmp_path, cache_dir):
     assert r.returncode == 2 and "already holds a run" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"env": "corridor", "learning_rate": 1}))
-    r = run(["train.py", "--config", str(bad)])
-    one_line_error(r, "fields this script does not have: learning_rate")
+    one_line_refusal(["--config", str(bad)], "fields this script does not have: learning_rate",
+                     capsys)
 
 
 def test_train_and_test_ids_may_not_overlap(tmp_path):
@@ -188,34 +203,51 @@ def test_train_and_test_ids_may_not_overlap(tmp_path):
     assert not (tmp_path / "r").exists()  # refused before anything is written
 
 
-def test_help_prints_no_default_the_help_already_states():
+def help_text(script, monkeypatch, capsys) -> str:
+    """What `script -h` prints, from its parse_args in this process, wrapped as in a pipe (80
+    columns; test_help_shows_every_default_and_prints_percent_signs runs each command)."""
+    import eval as ev
+    from recipes import sft
+
+    parse = {"train.py": train.parse_args, "eval.py": ev.parse_args, "sft.py": sft.parse_args}
+    monkeypatch.setenv("COLUMNS", "80")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        parse[script](["-h"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_prints_no_default_the_help_already_states(monkeypatch, capsys):
     for script in ("train.py", "eval.py", "sft.py"):
-        text = " ".join(run([script, "-h"]).stdout.split())
+        text = " ".join(help_text(script, monkeypatch, capsys).split())
         assert "(default: None)" not in text, script
-    text = " ".join(run(["train.py", "-h"]).stdout.split())
+    text = " ".join(help_text("train.py", monkeypatch, capsys).split())
     assert "(default: steps / number of stages) --schedule-kind" in text
     # (-h wraps)
     assert "with --model configs/real-" in text and "(1e-6, the paper's) --out" in text
     assert "(default: 0.0001)" in text  # --critic-lr, whose help says no default
 
 
-def test_help_lists_the_essential_flags_first_and_the_rest_in_groups():
+def test_help_lists_the_essential_flags_first_and_the_rest_in_groups(monkeypatch, capsys):
     """-h: the essential flags first (those the three scripts share among them), then named groups;
     a flag the three scripts share is declared once (trainer/cli.py's Shared)."""
-    text = run(["train.py", "-h"]).stdout
+    text = help_text("train.py", monkeypatch, capsys)
     groups = [line[:-1] for line in text.splitlines()
               if line and not line.startswith(" ") and line.endswith(":")]
     assert groups[:2] == ["options", "essential flags"] and len(groups) >= 6, groups
     assert text.index("--steps") < text.index("essential flags") + 2000 < text.index("--critic-lr")
     for script in ("train.py", "eval.py", "sft.py"):
-        shared = run([script, "-h"]).stdout
+        shared = help_text(script, monkeypatch, capsys)
         assert ("seed of task order, noise and sampling" in shared
                 and "where built-in models are built" in shared)
 
 
-def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(tmp_path, cache_dir):
+def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(tmp_path, cache_dir,
+                                                                              capsys):
     """--resume --out RUN alone is RUN's config (not the defaults: a Corridor run stays Corridor); a
-    flag given beside it overrides, and config.json records it."""
+    flag given beside it overrides, and config.json records it; --resume with --config is refused
+    in one line (train.parse_args' check)."""
     out = tmp_path / "run"
     args = [*TINY, "--eval-every", "0", "--lr", "1e-3", "--out", str(out), "--cache-dir", cache_dir]
     assert run(["train.py", *args]).returncode == 0
@@ -232,8 +264,8 @@ def test_resume_continues_with_the_runs_own_config_and_records_the_flags_given(t
         {k: v for k, v in first.items() if k not in ("steps", "save_every", "resume")}
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
     for flags in (["--out", str(out)], []):  # --out given, or --out from the file
-        r = run(["train.py", "--resume", *flags, "--config", str(out / "config.json")])
-        one_line_error(r, "--resume continues the run in --out with its own config.json")
+        one_line_refusal(["--resume", *flags, "--config", str(out / "config.json")],
+                         "--resume continues the run in --out with its own config.json", capsys)
     # a GRPO checkpoint has no critic for PPO to continue
     r = run(["train.py", "--resume", "--out", str(out), "--algo", "ppo", "--steps", "3"])
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -253,9 +285,10 @@ def test_a_single_process_runs_dynamic_sampling_gives_way_under_torchrun(tmp_pat
     one_line_error(r, "--dynamic-sampling runs in one process only")
 
 
-def test_a_config_files_values_are_checked_as_flags_are(tmp_path):
+def test_a_config_files_values_are_checked_as_flags_are(tmp_path, capsys):
     """argparse checks the values a command line gives, not the defaults a --config file sets: each
-    is checked as its flag would be, in one line; a number for a text flag is read as text."""
+    is checked as its flag would be, in one line; a number for a text flag is read as text. (The
+    first bad file as train.py's user sees it, the rest through train.parse_args here.)"""
     good = {"env": "corridor", "steps": 2, "lr": 1, "schedule": 4}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(good))
@@ -265,12 +298,14 @@ def test_a_config_files_values_are_checked_as_flags_are(tmp_path):
                 {"steps": 2.5}, {"report_to": "bogus"}):
         path.write_text(json.dumps({**good, **bad}))
         field = next(iter(bad))
-        one_line_error(run(["train.py", "--config", str(path)]),
-                       f"{field} = {json.dumps(bad[field])} is not a value --"
-                       f"{field.replace('_', '-')} takes")
+        needle = (f"{field} = {json.dumps(bad[field])} is not a value --"
+                  f"{field.replace('_', '-')} takes")
+        if bad == {"algo": "bogus"}:
+            one_line_error(run(["train.py", "--config", str(path)]), needle)
+        else:
+            one_line_refusal(["--config", str(path)], needle, capsys)
     (tmp_path / "a_file").write_text("")
-    one_line_error(run(["train.py", "--env", "corridor", "--out", str(tmp_path / "a_file")]),
-                   "is a file")
+    one_line_refusal(["--env", "corridor", "--out", str(tmp_path / "a_file")], "is a file", capsys)
 
 
 def test_the_stop_message_names_the_command_that_continues(monkeypatch):
@@ -284,7 +319,10 @@ def test_the_stop_message_names_the_command_that_continues(monkeypatch):
     assert resume_command("runs/a") == "torchrun --nproc-per-node 8 train.py --resume --out runs/a"
 
 
-def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cache_dir):
+def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cache_dir, capsys):
+    """train.py refuses a bad start in one line and writes nothing (the task-id overlap as the user
+    sees it; the flags out of range through train.parse_args, which train.py runs first); the
+    corrected command then runs."""
     out = tmp_path / "run"
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([0, 1, 50]))  # 50 is a Corridor test task
@@ -295,8 +333,8 @@ def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cac
     for bad in (["--lr", "-1"], ["--critic-lr", "0"], ["--temperature", "0"], ["--top-p", "0"],
                 ["--gamma", "1.5"],
                 ["--max-grad-norm", "0"], ["--kl-coef", "-0.1"], ["--eval-samples", "0"]):
-        r = run(["train.py", *TINY, *bad, "--out", str(out), "--cache-dir", cache_dir])
-        one_line_error(r, bad[0] + " must be")
+        one_line_refusal([*TINY, *bad, "--out", str(out), "--cache-dir", cache_dir],
+                         bad[0] + " must be", capsys)
     assert not out.exists()
     r = run(["train.py", *TINY, "--eval-every", "0", "--out", str(out), "--cache-dir", cache_dir])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -322,10 +360,16 @@ def test_cuda_on_a_cpu_only_torch_is_one_line(tmp_path):
         assert not (tmp_path / script).exists()
 
 
-def test_sft_refuses_values_that_must_be_positive(tmp_path):
+def test_sft_refuses_values_that_must_be_positive(tmp_path, capsys):
+    """(The first as sft.py's user sees it, the rest through its parse_args, which checks them.)"""
+    from recipes import sft
+
     for bad in (["--lr", "-1"], ["--beta", "0"], ["--temperature", "-1"]):
-        r = run(["sft.py", "--env", "corridor", "--out", str(tmp_path / "s"), *bad])
-        one_line_error(r, bad[0] + " must be")
+        argv = ["--env", "corridor", "--out", str(tmp_path / "s"), *bad]
+        if bad[0] == "--lr":
+            one_line_error(run(["sft.py", *argv]), bad[0] + " must be")
+        else:
+            one_line_refusal(argv, bad[0] + " must be", capsys, parse=sft.parse_args)
     assert not (tmp_path / "s").exists()
 
 
@@ -384,24 +428,32 @@ def two_step_run(tmp_path_factory, cache_dir):
 
 
 def test_a_resume_with_nothing_to_do_or_another_game_or_seed_writes_nothing(tmp_path,
-                                                                            two_step_run):
+                                                                            two_step_run, capsys):
     """--resume with --steps at or below the checkpoint's step says so in one line and exits 0;
     another --env (whose model would be built) or --seed is refused in one line; in each case
-    config.json, summary.json and metrics.jsonl stay as they were."""
+    config.json, summary.json and metrics.jsonl stay as they were. (The first as train.py's user
+    sees it, the rest through train.parse_args, where train.py makes these checks.)"""
     import shutil
 
     out = tmp_path / "run"
     shutil.copytree(two_step_run, out)
     before = {f: (out / f).read_bytes() for f in ("config.json", "summary.json", "metrics.jsonl")}
-    for steps in ("1", "2"):
-        r = run(["train.py", "--resume", "--out", str(out), "--steps", steps])
-        assert r.returncode == 0 and r.stdout.strip() == (
-            f"train.py: --resume: the checkpoint in {out} is at step 2 and --steps is {steps}: "
-            "nothing to do (a larger --steps extends the run)"), r.stdout + r.stderr[-2000:]
+
+    def nothing_to_do(steps):
+        return (f"train.py: --resume: the checkpoint in {out} is at step 2 and --steps is {steps}: "
+                "nothing to do (a larger --steps extends the run)")
+
+    r = run(["train.py", "--resume", "--out", str(out), "--steps", "1"])
+    assert r.returncode == 0 and r.stdout.strip() == nothing_to_do("1"), r.stdout + r.stderr[-2000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--resume", "--out", str(out), "--steps", "2"])
+    shown = capsys.readouterr()
+    assert e.value.code == 0 and shown.out.strip() == nothing_to_do("2"), shown
     for flags, needle in ((["--env", "textcraft"], "is a run of --env corridor, not textcraft"),
                           (["--seed", "3"], "is a run of --seed 0, not 3")):
-        one_line_error(run(["train.py", "--resume", "--out", str(out), "--steps", "3", *flags]),
-                       f"--resume: {out} {needle}")
+        one_line_refusal(["--resume", "--out", str(out), "--steps", "3", *flags],
+                         f"--resume: {out} {needle}", capsys)
     assert {f: (out / f).read_bytes() for f in before} == before
 
 
@@ -455,12 +507,15 @@ def test_the_real_model_defaults_are_named_when_model_sets_them(tmp_path, capsys
     assert "real-model defaults" not in capsys.readouterr().err
 
 
-def test_a_seed_past_64_bits_and_an_out_under_a_file_are_one_line(tmp_path):
+def test_a_seed_past_64_bits_and_an_out_under_a_file_are_one_line(tmp_path, capsys):
+    """(The seed as train.py's user sees it; the --out through train.parse_args, which checks
+    it.)"""
     one_line_error(run(["train.py", "--env", "corridor", "--seed", str(2 ** 64)]),
                    f"--seed {2 ** 64}: a seed must fit in 64 bits")
     (tmp_path / "somefile").write_text("")
-    one_line_error(run(["train.py", "--env", "corridor", "--out", str(tmp_path / "somefile/run")]),
-                   f"--out {tmp_path / 'somefile/run'}: {tmp_path / 'somefile'} is a file")
+    one_line_refusal(["--env", "corridor", "--out", str(tmp_path / "somefile/run")],
+                     f"--out {tmp_path / 'somefile/run'}: {tmp_path / 'somefile'} is a file",
+                     capsys)
 
 
 def test_settings_that_learn_nothing_are_refused_or_warned_of(tmp_path, cache_dir, capsys):

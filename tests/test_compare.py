@@ -95,7 +95,9 @@ def test_compare_breaks_the_change_down_by_category(capsys):
     assert "by_category" not in paired.compare(result({1: [0.0]}), result({1: [1.0]}))
 
 
-def test_compare_from_the_command_line(tmp_path):
+def test_compare_from_the_command_line(tmp_path, capsys):
+    """eval.py --compare prints the comparison; a bad --compare is refused by its parse_args (exit
+    2, nothing on stdout): the first as eval.py's user sees it, the rest in this process."""
     a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
     a.write_text(json.dumps(result({i: [float(i < 3)] for i in range(10)})))
     b.write_text(json.dumps(result({i: [float(i < 6)] for i in range(10)})))
@@ -117,12 +119,20 @@ def test_compare_from_the_command_line(tmp_path):
                         (f"{a},{babyai}", "different envs or splits"),
                         (f"{a},{b}+{babyai}", "different envs or splits"),
                         (f"{a},{apart}", "no task is in both sides")]:
-        out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and needle in out.stderr and out.stdout == "", (arg, out.stderr)
+        if arg == f"{a}":
+            out = subprocess.run([sys.executable, "eval.py", "--compare", arg], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+            assert (out.returncode == 2 and needle in out.stderr
+                    and out.stdout == ""), (arg, out.stderr)
+            continue
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            ev.main(ev.parse_args(["--compare", arg]))
+        shown = capsys.readouterr()
+        assert e.value.code == 2 and needle in shown.err and shown.out == "", (arg, shown.err)
 
 
-def test_compare_pools_the_results_on_each_side(tmp_path):
+def test_compare_pools_the_results_on_each_side(tmp_path, capsys):
     paths = {}
     for name, scores in {"a0": {1: [0.0], 2: [1.0], 3: [0.0]},
                          "a1": {1: [1.0], 2: [1.0], 3: [0.0]},
@@ -136,7 +146,7 @@ def test_compare_pools_the_results_on_each_side(tmp_path):
     assert (c["tasks"], c["start"], c["end"], c["change"]) == pytest.approx(
         (3, 0.5, 2.5 / 3, 1 / 3))
     assert "sign_test_p" not in c  # pooled scores are not one 0/1 sample per task
-    out = subprocess.run([sys.executable, "eval.py", "--compare",
-                          f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "no file" in out.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # eval.py's exit (test_compare_from_the_command_line)
+        ev.parse_args(["--compare", f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"])
+    assert e.value.code == 2 and "no file" in capsys.readouterr().err

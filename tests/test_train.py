@@ -130,7 +130,11 @@ def test_a_resume_in_another_dtype_says_so(tmp_path, cache_dir):
     assert "resuming a " not in r.stdout
 
 
-def test_bad_flags_are_named(tmp_path, cache_dir):
+def test_bad_flags_are_named(tmp_path, cache_dir, capsys):
+    """Each bad flag is refused by train.parse_args, naming it (exit 2); the first as the user
+    sees it, train.py's exit code and its stderr, the rest in this process (the same checks)."""
+    out = run_train(["--steps", "0"], cache_dir, check=False)
+    assert out.returncode == 2 and "--steps must be at least 1" in out.stderr, out.stderr[-500:]
     for args, needle in [(["--steps", "0"], "--steps must be at least 1"),
                          (["--schedule", "10,0"], "--schedule"),
                          (["--resume"], "--resume needs --out"),
@@ -142,8 +146,10 @@ def test_bad_flags_are_named(tmp_path, cache_dir):
                          (["--eval-turns", "0"], "--eval-turns must be at least 1"),
                          (["--schedule-kind", "plateau", "--schedule-every", "5"],
                           "--schedule-every is the step schedule's stage length")]:
-        out = run_train(args, cache_dir, check=False)
-        assert out.returncode != 0 and needle in out.stderr, (args, out.stderr[-500:])
+        with pytest.raises(SystemExit) as e:
+            train.parse_args([*args, "--cache-dir", cache_dir])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err, (args, err[-500:])
 
 
 def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, bench_stdout
 
 import train
 from rollout import Trajectory
@@ -228,11 +228,14 @@ def test_the_replay_script_prints_update_kl_per_setting(tmp_path):
     assert kl[0] == pytest.approx(metrics(out)[0]["update_kl"], rel=1e-3)
 
 
-def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_path):
+def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_path, monkeypatch,
+                                                                         capsys):
     """--weights CHECKPOINT: step 2 replayed from step 1's checkpoint (weights, optimizer moments,
     the update's shuffle stream) is the run's own update, the update_kl it logged, also when the
     rollout drew from torch's global RNG in between (as vLLM's CPU sampler does every decode step);
-    from the same weights with a fresh optimizer (an HF folder) it is not."""
+    from the same weights with a fresh optimizer (an HF folder) it is not. (replay_step.py runs as a
+    command from the checkpoint, and in this process, its main() on the same command line, from
+    the HF folder.)"""
     import shutil
 
     out = tmp_path / "run"
@@ -257,11 +260,9 @@ def test_a_later_step_replays_exactly_from_the_previous_steps_checkpoint(tmp_pat
     logged = metrics(out)[1]["update_kl"]
     got = {}
     for weights in ("ck1", "ck1/model"):
-        r = subprocess.run([sys.executable, "bench/replay_step.py", str(out), "--step", "2",
-                            "--weights", str(tmp_path / weights), "--probe-tasks", "1",
-                            "--threads", "1"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        got[weights] = json.loads(r.stdout.strip().splitlines()[-1])[0]["update_kl"]
+        argv = ["bench/replay_step.py", str(out), "--step", "2", "--weights",
+                str(tmp_path / weights), "--probe-tasks", "1", "--threads", "1"]
+        shown = bench_stdout(argv, monkeypatch, capsys, in_process=weights == "ck1/model")
+        got[weights] = json.loads(shown.strip().splitlines()[-1])[0]["update_kl"]
     assert got["ck1"] == pytest.approx(logged, rel=1e-3)
     assert got["ck1/model"] != pytest.approx(logged, rel=0.05)

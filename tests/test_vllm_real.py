@@ -113,9 +113,9 @@ def test_real_vllm_logprobs_match_the_trainer(real):
 
 @needs_vllm
 def test_real_vllm_seeds_reproduce_and_long_batches_run(real):
-    """The same generator state samples the same ids and log-probs (to 1e-4); another, other ids. 48
-    prompts of about 300 tokens are more than one step's token budget: prompts are scheduled whole
-    (a CPU engine with chunked prefill would fail on seeded requests)."""
+    """The same generator state samples the same ids and log-probs (to 1e-4); another, other ids. 32
+    prompts of about 275 tokens (8,796) are more than one step's token budget (8,192): prompts are
+    scheduled whole (a CPU engine with chunked prefill would fail on seeded requests)."""
     from env_server.agents import opening_messages
     from env_server.textcraft import TextCraftEnv
     from rollout import ChatFormat
@@ -123,7 +123,7 @@ def test_real_vllm_seeds_reproduce_and_long_batches_run(real):
     engine, _, tok = real
     fmt, world = ChatFormat(tok), TextCraftEnv.load_world(None)
     prompts = [fmt.prompt_ids(opening_messages("textcraft", TextCraftEnv(world).reset(i)))
-               for i in range(48)]
+               for i in range(32)]
     assert sum(map(len, prompts)) > 8192
     a, b, c = (engine.generate(ps, 12, [tok.eos_token_id],
                                generator=torch.Generator().manual_seed(s))

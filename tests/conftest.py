@@ -63,6 +63,16 @@ def pytest_sessionstart(session):
         reporter.write_line(line)
 
 
+def exit_of(call, capsys) -> tuple:
+    """call() run in this process until it exits, as a script does on a bad flag (SystemExit):
+    (its exit code, stdout, stderr). Any other exception propagates: a traceback fails the test."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        call()
+    shown = capsys.readouterr()
+    return e.value.code, shown.out, shown.err
+
+
 def bench_stdout(argv: list[str], monkeypatch, capsys, in_process: bool) -> str:
     """What `python bench/NAME.py ARGS` (argv = ["bench/NAME.py", *ARGS]) prints: run as a command,
     or in this process by its main() (the same argv; the torch threads it sets put back), which

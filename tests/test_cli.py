@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, exit_of
 
 import train
 
@@ -99,11 +99,8 @@ def one_line_refusal(argv, needle, capsys, parse=train.parse_args):
     """one_line_error in this process, for train.parse_args (or `parse`: a script's own), where the
     script checks its flags before anything is written: exit 2, one line on stderr naming
     `needle`."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        parse(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and needle in err, (argv, err[-2000:])
+    code, _, err = exit_of(lambda: parse(argv), capsys)
+    assert code == 2 and needle in err, (argv, err[-2000:])
     assert len(err.strip().splitlines()) == 1, err[-2000:]
 
 
@@ -211,11 +208,9 @@ def help_text(script, monkeypatch, capsys) -> str:
 
     parse = {"train.py": train.parse_args, "eval.py": ev.parse_args, "sft.py": sft.parse_args}
     monkeypatch.setenv("COLUMNS", "80")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        parse[script](["-h"])
-    assert e.value.code == 0
-    return capsys.readouterr().out
+    code, out, _ = exit_of(lambda: parse[script](["-h"]), capsys)
+    assert code == 0
+    return out
 
 
 def test_help_prints_no_default_the_help_already_states(monkeypatch, capsys):
@@ -445,11 +440,9 @@ def test_a_resume_with_nothing_to_do_or_another_game_or_seed_writes_nothing(tmp_
 
     r = run(["train.py", "--resume", "--out", str(out), "--steps", "1"])
     assert r.returncode == 0 and r.stdout.strip() == nothing_to_do("1"), r.stdout + r.stderr[-2000:]
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        train.parse_args(["--resume", "--out", str(out), "--steps", "2"])
-    shown = capsys.readouterr()
-    assert e.value.code == 0 and shown.out.strip() == nothing_to_do("2"), shown
+    code, shown, _ = exit_of(
+        lambda: train.parse_args(["--resume", "--out", str(out), "--steps", "2"]), capsys)
+    assert code == 0 and shown.strip() == nothing_to_do("2"), shown
     for flags, needle in ((["--env", "textcraft"], "is a run of --env corridor, not textcraft"),
                           (["--seed", "3"], "is a run of --seed 0, not 3")):
         one_line_refusal(["--resume", "--out", str(out), "--steps", "3", *flags],

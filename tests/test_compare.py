@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, exit_of
 
 import eval as ev
 from tools import eval_outputs, paired
@@ -125,11 +125,8 @@ def test_compare_from_the_command_line(tmp_path, capsys):
             assert (out.returncode == 2 and needle in out.stderr
                     and out.stdout == ""), (arg, out.stderr)
             continue
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            ev.main(ev.parse_args(["--compare", arg]))
-        shown = capsys.readouterr()
-        assert e.value.code == 2 and needle in shown.err and shown.out == "", (arg, shown.err)
+        code, out, err = exit_of(lambda: ev.main(ev.parse_args(["--compare", arg])), capsys)
+        assert code == 2 and needle in err and out == "", (arg, err)
 
 
 def test_compare_pools_the_results_on_each_side(tmp_path, capsys):
@@ -146,7 +143,6 @@ def test_compare_pools_the_results_on_each_side(tmp_path, capsys):
     assert (c["tasks"], c["start"], c["end"], c["change"]) == pytest.approx(
         (3, 0.5, 2.5 / 3, 1 / 3))
     assert "sign_test_p" not in c  # pooled scores are not one 0/1 sample per task
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:  # eval.py's exit (test_compare_from_the_command_line)
-        ev.parse_args(["--compare", f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"])
-    assert e.value.code == 2 and "no file" in capsys.readouterr().err
+    arg = f"{paths['a0']}+{tmp_path}/no.json,{paths['b0']}"  # eval.py's exit: the test above
+    code, _, err = exit_of(lambda: ev.parse_args(["--compare", arg]), capsys)
+    assert code == 2 and "no file" in err

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, train_update
+from conftest import ROOT, exit_of, train_update
 
 import models.builtin as models
 from models import policy
@@ -146,10 +146,8 @@ def test_bad_flags_are_named(tmp_path, cache_dir, capsys):
                          (["--eval-turns", "0"], "--eval-turns must be at least 1"),
                          (["--schedule-kind", "plateau", "--schedule-every", "5"],
                           "--schedule-every is the step schedule's stage length")]:
-        with pytest.raises(SystemExit) as e:
-            train.parse_args([*args, "--cache-dir", cache_dir])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and needle in err, (args, err[-500:])
+        code, _, err = exit_of(lambda: train.parse_args([*args, "--cache-dir", cache_dir]), capsys)
+        assert code == 2 and needle in err, (args, err[-500:])
 
 
 def test_lr_decay_falls_from_lr_to_lr_divided_by_steps():

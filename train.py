@@ -87,9 +87,9 @@ def main(cfg: config.Config) -> dict:
                     m.update(update(run, rows, adv, returns, values))
                 guard(run, step, m)  # --max-update-kl: too far a move halves later rates
                 m["time_update_s"] = time.time() - t1
-                # ---- the sampler gets the weights (HF samples with this very module)
-                seconds = run.engine.sync_weights(run.prec.model)  # what copying them took
-                m["time_sync_s"] = seconds
+                # ---- the sampler gets the new weights (HF samples with this very module)
+                seconds = run.engine.sync_weights(run.prec.model) if trainable else 0.0
+                m["time_sync_s"] = seconds  # what copying them took (no update: nothing new)
                 run.log(step, m)  # metrics.jsonl, reporters; a stop now saves this step
     return run.summary
 

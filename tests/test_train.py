@@ -15,6 +15,7 @@ import models.builtin as models
 from models import policy
 import algos
 import train
+from hf_engine import HFEngine
 from trainer import run as run_layer
 from trainer.setup import update_run
 from models import warmstart
@@ -225,7 +226,7 @@ def test_rollout_metrics_count_episodes_that_open_with_a_guess():
     # no reply
     trajs.append(Trajectory("corridor", 0, 0, opening_messages("corridor", "You are at 3."), [], [],
                             []))
-    m = run_layer.rollout_metrics(trajs, 4, 1.0)
+    m = run_layer.rollout_metrics(trajs, 4)
     assert m["guess_share"] == 2 / 5 and m["success_rate"] == 4 / 5
 
 
@@ -381,6 +382,37 @@ def test_the_update_has_every_core_and_rollouts_leave_one(tmp_path, cache_dir, m
         torch.set_num_threads(before)
     cores = os.cpu_count() or 1
     assert seen == [("rollout", max(1, cores - 1)), ("update", cores)] * 2
+
+
+def test_the_sampler_gets_weights_only_after_an_update(tmp_path, cache_dir, monkeypatch):
+    """A step lost to env errors changes no weight, so nothing is copied to the sampler; the next
+    step, trained on, copies its new weights."""
+    seen, real_rollout, real_sync = [], train.rollout, HFEngine.sync_weights
+
+    def rollout(*args, **kw):
+        trajs = real_rollout(*args, **kw)
+        if not seen:  # the first step: every episode an env error
+            for t in trajs:
+                t.status, t.error = "env_error", "injected"
+        seen.append("rollout")
+        return trajs
+
+    def sync_weights(self, model):
+        seen.append("sync")
+        return real_sync(self, model)
+
+    monkeypatch.setattr(train, "rollout", rollout)
+    monkeypatch.setattr(HFEngine, "sync_weights", sync_weights)
+    before = torch.get_num_threads()
+    out = str(tmp_path / "run")
+    try:
+        train.main(train.parse_args([*TINY, "--steps", "2", "--schedule", "2", "--out", out,
+                                     "--cache-dir", cache_dir]))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == ["rollout", "rollout", "sync"]
+    m = metrics(out)
+    assert [x["skipped_update"] for x in m] == [1, 0] and m[0]["time_sync_s"] == 0.0
 
 
 def test_by_default_a_checkpoint_every_5_steps_and_at_the_end(tmp_path, cache_dir, monkeypatch):

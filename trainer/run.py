@@ -66,16 +66,15 @@ def log_rollout(run, step: int, K: int, played: list[Trajectory], m: dict, secon
     m["first_error"] = next((t.error for t in played if t.status == "env_error"), None)
 
 
-def rollout_metrics(trajs: list[Trajectory], K: int, time_rollout: float = 0.0) -> dict:
-    """The step's `outcomes` (statuses as status_*); template checks and speed over all of them."""
+def rollout_metrics(trajs: list[Trajectory], K: int) -> dict:
+    """The step's `outcomes` (statuses as status_*); template checks over all of them (the
+    rollout's time and speed: log_rollout)."""
     o, kept = outcomes(trajs), [t for t in trajs if t.status != "env_error"]
-    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
     groups = {t.group for t in kept}
     return {"max_turns": K, **{k: o[k] for k in ("reward_mean", "success_rate", "turns_mean")},
             **{f"status_{k}": v for k, v in o["statuses"].items()}, "guess_share": o["guess_share"],
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
-            "groups_informative": len(informative_groups(kept)) / max(1, len(groups)),
-            "tokens_per_s": gen_tokens / max(time_rollout, 1e-9), "time_rollout_s": time_rollout}
+            "groups_informative": len(informative_groups(kept)) / max(1, len(groups))}
 
 
 @dataclasses.dataclass

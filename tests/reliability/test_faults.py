@@ -370,6 +370,27 @@ SCIWORLD_MISSING = ("the scienceworld package is not installed"
                     else "java is not on PATH" if shutil.which("java") is None else None)
 
 
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped. kill() returns once the signal
+    is queued: one thread takes it when it next runs and only then stops the others, which run on
+    meanwhile (on a loaded machine for tens of ms: a JVM answers a whole step in that time)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited meanwhile
+                pass
+        if all(state in ("t", "T", "Z", "X") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} did not stop within {timeout_s:g} s: {states}")
+        time.sleep(0.001)
+
+
 @pytest.mark.skipif(SCIWORLD_MISSING is not None,
                     reason=f"ScienceWorld cannot run: {SCIWORLD_MISSING}")
 def test_a_frozen_jvm_costs_its_own_instance_only():
@@ -383,7 +404,7 @@ def test_a_frozen_jvm_costs_its_own_instance_only():
             a.reset(0)
             b.reset(0)
             pid = a.detail()["jvm_pid"]
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)  # every thread stopped: none answers the step below
             t0 = time.monotonic()
             with pytest.raises(EnvError) as e:
                 a.step("look around")

@@ -222,12 +222,12 @@ class VLLMEngine:
     def sync_weights(self, model) -> float:
         """Copy `model`'s current weights into the engine, in place; returns the seconds it took.
 
-        Call after each optimizer step, on every rank (gathering a sharded tensor is a collective,
-        and each rank's engine reloads the same tensors in the same order). The state dict is
-        streamed to vLLM's in-place reload one tensor at a time, each FSDP2 shard (a DTensor)
-        gathered with `full_tensor()` and cast to the engine's dtype as it is reached: at most one
-        gathered tensor is alive at a time. The prefix cache is reset afterwards: its KV was
-        computed by the old weights.
+        Call after an update (train.py: once a step, after its optimizer steps), on every rank
+        (gathering a sharded tensor is a collective, and each rank's engine reloads the same
+        tensors in the same order). The state dict is streamed to vLLM's in-place reload one
+        tensor at a time, each FSDP2 shard (a DTensor) gathered with `full_tensor()` and cast to
+        the engine's dtype as it is reached: at most one gathered tensor is alive at a time. The
+        prefix cache is reset afterwards: its KV was computed by the old weights.
         """
         from torch.distributed.tensor import DTensor
 

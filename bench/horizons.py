@@ -10,7 +10,7 @@ that keeps this script's flags and adds one step, the warm start.
 
 With --sft the start is first made by `recipes.sft --model MODEL --sft ...` (behavioural cloning on
 the env's expert) into OUT/warm_ENV, once, and every run starts from it. With --model, train.py's
-real-model defaults apply to every run (lr 1e-6 after 3 warm-up steps, k3 KL 0.001, four
+real-model defaults apply to every run (lr 1e-6 after 3 warm-up steps, no KL term, four
 mini-batches per step, the 0.01 update_kl guard, dynamic sampling); the SFT recipe above is the one
 measured on CPU (1 epoch of the 420 expert trajectories at lr 1e-4), and 16 tasks x 8 samples per
 step is the paper's batch. The flags map onto the recipe's: --horizons is --arms, --train and

@@ -220,7 +220,7 @@ class EnginePolicy:
 
 # ---------------------------------------------------------------- the turn loop
 def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
-                       agents: list) -> list[Trajectory]:
+                       agents: list, cfg: RolloutConfig) -> list[Trajectory]:
     """Reset pool instance i to task item_ids[i] (the instances past them stay idle): a Trajectory
     each, with its agent's opening messages, or env_error where the reset failed."""
     assert len(item_ids) == len(groups) <= pool.size
@@ -231,13 +231,13 @@ def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: lis
         if isinstance(first, EnvError):
             t.status, t.error = "env_error", str(first)
         else:
-            t.messages = agent.opening(first)
+            t.messages = agent.opening(_fit(first, t, cfg))
         trajs.append(t)
     return trajs
 
 
 def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move],
-               max_turns: int) -> None:
+               cfg: RolloutConfig) -> None:
     """One turn's env side for the trajectories that replied (moves[i] = agents[i].act(reply)):
     one batched step; then each gets its next user message (the agent's rendering of the answer, or
     its note where nothing was stepped), its reward on the trainer's 0-1 scale and its status."""
@@ -252,30 +252,32 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
             text, outcome = agent.observe(move.note, None, False, t.turns)
         else:
             t.reward = train_reward(t.env, r.reward)
-            text, outcome = agent.observe(r.observation, t.reward, r.done, t.turns)
+            seen = _fit(r.observation, t, cfg)
+            text, outcome = agent.observe(seen, t.reward, r.done, t.turns)
         t.messages.append({"role": "user", "content": text})
         if outcome == "done":
             t.status = "done"
         elif outcome == "retry":
             retry.append(i)
-        elif t.turns >= max_turns:
+        elif t.turns >= cfg.max_turns:
             t.status = "max_turns"
     if retry:
-        _retry(pool, trajs, agents, retry)
+        _retry(pool, trajs, agents, retry, cfg)
     for i in moves:  # after the resets: a retried attempt's reward is taken back on its last turn
         t = trajs[i]
         if t.status != "env_error":
             t.turn_rewards.append(t.reward - sum(t.turn_rewards))
 
 
-def _retry(pool: EnvPool, trajs: list[Trajectory], agents: list, retry: list[int]) -> None:
+def _retry(pool: EnvPool, trajs: list[Trajectory], agents: list, retry: list[int],
+           cfg: RolloutConfig) -> None:
     """An agent's retry (agents.Reflect): its env reset to the same task, its reward to 0."""
     firsts = pool.reset([trajs[i].item_id if i in retry else None for i in range(pool.size)])
     for i in retry:
         if isinstance(firsts[i], EnvError):
             trajs[i].status, trajs[i].error = "env_error", str(firsts[i])
         else:
-            agents[i].restart(firsts[i])
+            agents[i].restart(_fit(firsts[i], trajs[i], cfg))
             trajs[i].reward = 0.0
 
 
@@ -286,10 +288,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
     `fmt` (a text policy) no token rows. A reply may be an EnvError (the trajectory is an env error)
     or None (the policy has nothing to say: max_turns)."""
     agents = [make_agent(agent, env, cfg.max_turns) for _ in item_ids]
-    trajs = start_trajectories(pool, env, item_ids, groups, agents)
+    trajs = start_trajectories(pool, env, item_ids, groups, agents, cfg)
     for t in trajs:
-        if not t.finished:
-            _cut_observation(t, cfg)
         if fmt is not None and not t.finished:
             t.append_ids(fmt.prompt_ids(t.messages))
             t.n_prompt = len(t.token_ids)
@@ -303,10 +303,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
             break
         replies = dict(zip(active, policy.replies([trajs[i] for i in active], active)))
         moves = {i: agents[i].act(r.text) for i, r in replies.items() if _take_reply(trajs[i], r)}
-        play_moves(pool, trajs, agents, moves, cfg.max_turns)
+        play_moves(pool, trajs, agents, moves, cfg)
         for i in moves:
-            if trajs[i].status != "env_error":
-                _cut_observation(trajs[i], cfg)
             if fmt is not None and not trajs[i].finished:
                 _append_observation(fmt, trajs[i], replies[i].stopped, cfg)
         if progress is not None:
@@ -337,22 +335,24 @@ def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
 CHARS_PER_TOKEN = 32
 
 
-def _cut_observation(t: Trajectory, cfg: RolloutConfig) -> None:
-    """Cut the user message just added to what could still fit in --max-context: a server that
-    answers 10 MB would otherwise cost seconds and gigabytes to tokenize, and as much in the log.
-    The row then reaches the context limit, as it would have whole."""
-    room = cfg.max_context - len(t.token_ids) if t.token_ids else cfg.max_context
-    budget = max(room, 0) * CHARS_PER_TOKEN
-    text = t.messages[-1]["content"]
-    if len(text) > budget:
-        t.messages[-1]["content"] = f"{text[:budget]} [... {len(text) - budget} characters cut]"
+def _fit(text: str, t: Trajectory, cfg: RolloutConfig) -> str:
+    """An env's observation cut to what could still fit in t's --max-context, before its agent
+    adds its own words (a reflection's request stays): a server that answers 10 MB would otherwise
+    cost seconds and gigabytes to tokenize, and as much in the log."""
+    budget = max(cfg.max_context - len(t.token_ids), 0) * CHARS_PER_TOKEN
+    if len(text) <= budget:
+        return text
+    return f"{text[:budget]} [... {len(text) - budget} characters cut]"
 
 
 def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
                         cfg: RolloutConfig) -> None:
-    """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown row."""
-    t.append_ids(fmt.observation_ids(t.messages[-1]["content"], reply_ended))
-    if cfg.check_template and t.template != "mismatch":  # a row's worst check so far
+    """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown row. A
+    row they fill ends at --max-context: nothing after its last reply is trained on."""
+    ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
+    room = max(cfg.max_context - len(t.token_ids), 0)
+    t.append_ids(ids[:room])
+    if cfg.check_template and len(ids) <= room and t.template != "mismatch":  # its worst so far
         t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
     if len(t.token_ids) >= cfg.max_context:
         t.status = "context_limit"

@@ -347,14 +347,44 @@ def test_rewards_are_read_on_the_trainers_scale(env, value, reward):
 def test_a_huge_observation_is_cut_to_the_context_budget_before_it_is_tokenized():
     """1 MB of observation with 200 tokens of room: cut to what 200 tokens could hold (200 x
     CHARS_PER_TOKEN characters) and marked, so that it is never tokenized, logged or sent whole."""
-    from rollout import CHARS_PER_TOKEN, Trajectory, _cut_observation
+    from rollout import CHARS_PER_TOKEN, Trajectory, _fit
 
-    t = Trajectory("corridor", 0, 0, [{"role": "user", "content": "x" * 2**20}],
-                   list(range(56)), [0] * 56, [0.0] * 56)
-    _cut_observation(t, RolloutConfig(max_context=256))
-    text = t.messages[-1]["content"]
+    t = Trajectory("corridor", 0, 0, [], list(range(56)), [0] * 56, [0.0] * 56)
+    text = _fit("x" * 2**20, t, RolloutConfig(max_context=256))
     assert text.startswith("x" * (200 * CHARS_PER_TOKEN) + " [... ")
     assert len(text) < 200 * CHARS_PER_TOKEN + 60 and "characters cut]" in text
-    t.messages[-1]["content"] = "short"  # what fits is left alone
-    _cut_observation(t, RolloutConfig(max_context=256))
-    assert t.messages[-1]["content"] == "short"
+    assert _fit("short", t, RolloutConfig(max_context=256)) == "short"  # what fits is left alone
+
+
+class LoudPool(OneStepPool):
+    """One instance whose every step answers `n` characters of observation."""
+
+    def __init__(self, value, n, done=True):
+        super().__init__(value)
+        self.n, self.done = n, done
+
+    def step(self, actions):
+        return [Step("word " * (self.n // 5), self.value, self.done)]
+
+
+def test_a_huge_observation_keeps_the_agents_own_words():
+    """The env's text is cut before the agent wraps it: a failed attempt's 1 MB observation still
+    ends with the reflect scheme's request to reflect."""
+    from env_server.agents import REFLECT_ASK
+
+    t, = rollout(SayAction(), LoudPool(0.0, 2**20), "textcraft", [0], [0],
+                 RolloutConfig(max_turns=4, max_context=256), agent="reflect")
+    asks = [m["content"] for m in t.messages if REFLECT_ASK in m["content"]]
+    assert asks and asks[0].endswith(REFLECT_ASK) and "characters cut]" in asks[0]
+
+
+def test_a_row_never_passes_the_context_limit():
+    """An observation within the character budget but past the tokens left: the row is cut at
+    --max-context (nothing after its last reply is trained on) and ends there."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    fmt = ChatFormat(tok)
+    rcfg = RolloutConfig(max_turns=3, max_context=512, max_new_tokens=16)
+    policy = EnginePolicy(ScriptedEngine(fmt, ["Thought: t\nAction: wait"]), fmt, rcfg)
+    t, = rollout(policy, LoudPool(0.0, 12_000, done=False), "textcraft", [0], [0], rcfg, fmt=fmt)
+    assert t.status == "context_limit" and len(t.token_ids) == 512 and sum(t.loss_mask) > 0
+    assert len(t.loss_mask) == len(t.logprobs) == 512

@@ -62,3 +62,18 @@ def test_plain_layers_give_the_same_update(monkeypatch):
     gap = max(float((a - b).abs().max())
               for a, b in zip(fast_model.parameters(), plain_model.parameters()))
     assert moved > 1e-4 and gap < 1e-6 * max(1.0, moved) * 10, (moved, gap)
+
+
+def test_the_update_statistics_do_not_depend_on_the_passes(monkeypatch):
+    """The clipping statistics are per sampled token: one row per pass or length buckets, the
+    same clip_frac and approx_kl (they were means over passes: a pass of one short row counted as
+    much as one of eight long ones)."""
+    torch.manual_seed(0)
+    start = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
+    bucketed = one_update(copy.deepcopy(start))
+    monkeypatch.setattr(trainer.run, "length_buckets",
+                        lambda lengths, max_tokens: [[i] for i in range(len(lengths))])
+    alone = one_update(copy.deepcopy(start))
+    assert bucketed["clip_frac"] > 0
+    for key in ("clip_frac", "approx_kl"):
+        assert alone[key] == pytest.approx(bucketed[key], rel=1e-6, abs=1e-9), key

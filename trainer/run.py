@@ -409,10 +409,10 @@ def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
 
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
-    global loss (so their total is that loss), per-micro-batch statistics, sampler/trainer mismatch
-    per token; and the first mini-batch's log-probs before any optimizer step, for update_kl."""
+    global loss (so their total is that loss), the clip statistics and the sampler/trainer mismatch
+    per sampled token; and the first mini-batch's log-probs before any optimizer step, for update_kl."""
 
-    KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "micro_batches",
+    KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "sampled",
             "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
 
     def __init__(self):
@@ -433,9 +433,10 @@ class UpdateStats:
             return
         acc["padded"] += len(idx) * (mask.shape[1] + 1)
         acc["real"] += int(rows.batch["attention_mask"][idx].sum())
-        acc["micro_batches"] += 1
-        acc["clip_frac"] += clip["clip_frac"]
-        acc["approx_kl"] += clip["approx_kl"]
+        sampled = float(mask.sum())  # the clip statistics are means over its sampled tokens
+        acc["sampled"] += sampled
+        acc["clip_frac"] += clip["clip_frac"] * sampled
+        acc["approx_kl"] += clip["approx_kl"] * sampled
         if self.first:  # before any update: how far the trainer's log-probs are from the sampler's
             sel = mask > 0
             acc["logprob_diff"] += float((lp - sampler_lp).abs()[sel].sum())
@@ -449,7 +450,8 @@ class UpdateStats:
         # the entropy of the rows forwarded: idle rows (train.idle_rows) add 0 to the loss, which
         # is exact, but their entropy is not known
         out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
-        out.update({k: tot[k] / max(tot["micro_batches"], 1) for k in ("clip_frac", "approx_kl")})
+        # per sampled token forwarded, however the rows were grouped into passes
+        out.update({k: tot[k] / max(tot["sampled"], 1) for k in ("clip_frac", "approx_kl")})
         # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)
         out.update({k: tot[k] / max(tot["mismatch_tokens"], 1)
                     for k in ("logprob_diff", "logprob_kl")})

@@ -227,7 +227,7 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
             for o in run.optims.values():
                 o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
-    m = stats.metrics(run, rows.batch, mask, cfg.ppo_epochs * n_minis, len(idle))
+    m = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
     m["update_kl"] = update_kl(run, rows.batch, mask, idle, stats.before)  # the guard's measure
     return m
 

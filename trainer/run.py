@@ -409,8 +409,8 @@ def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
 
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
-    global loss (so their total is that loss), the clip statistics and the sampler/trainer mismatch
-    per sampled token; and the first mini-batch's log-probs before any optimizer step, for update_kl."""
+    global loss (so their total is that loss), clip statistics and sampler/trainer mismatch per
+    sampled token; the first mini-batch's log-probs before any optimizer step, for update_kl."""
 
     KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "sampled",
             "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
@@ -443,14 +443,13 @@ class UpdateStats:
             acc["logprob_kl"] += float(algos.kl_penalty(sampler_lp, lp, "k3", None)[sel].sum())
             acc["mismatch_tokens"] += float(sel.sum())
 
-    def metrics(self, run, batch: dict, mask, n_steps: int, idle: int) -> dict:
+    def metrics(self, run, n_steps: int, idle: int) -> dict:
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
         keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
         out = {k: tot[k] / n_steps for k in keys}
         # the entropy of the rows forwarded: idle rows (train.idle_rows) add 0 to the loss, which
         # is exact, but their entropy is not known
         out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
-        # per sampled token forwarded, however the rows were grouped into passes
         out.update({k: tot[k] / max(tot["sampled"], 1) for k in ("clip_frac", "approx_kl")})
         # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)
         out.update({k: tot[k] / max(tot["mismatch_tokens"], 1)

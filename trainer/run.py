@@ -441,7 +441,7 @@ class UpdateStats:
             sel = mask > 0
             acc["logprob_diff"] += float((lp - sampler_lp).abs()[sel].sum())
             acc["logprob_kl"] += float(algos.kl_penalty(sampler_lp, lp, "k3", None)[sel].sum())
-            acc["mismatch_tokens"] += float(sel.sum())
+            acc["mismatch_tokens"] += sampled
 
     def metrics(self, run, n_steps: int, idle: int) -> dict:
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))

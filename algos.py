@@ -48,6 +48,7 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -575,16 +576,15 @@ def masked_logits(model, sel=None, **ids) -> torch.Tensor:
     return model.get_output_embeddings()(h if sel is None else h[sel])
 
 
-_HEAD_SPLIT: dict = {}  # (model class, dtype) -> head_split_ok
+_HEAD_SPLIT = weakref.WeakKeyDictionary()  # model -> head_split_ok
 
 
 def head_split_ok(model) -> bool:
-    """model(x).logits == output_embeddings(base_model(x).last_hidden_state)? Once per model class
-    and dtype: true of Llama, Qwen, Mistral, Phi; not where logits are scaled or capped."""
-    key = (type(model), next(model.parameters()).dtype)
-    if key not in _HEAD_SPLIT:
-        _HEAD_SPLIT[key] = _check_head_split(model, key[1])
-    return _HEAD_SPLIT[key]
+    """model(x).logits == output_embeddings(base_model(x).last_hidden_state)? Once per model (its
+    config may scale or cap logits): true of Llama, Qwen, Mistral, Phi; not of Granite, Gemma 2."""
+    if model not in _HEAD_SPLIT:
+        _HEAD_SPLIT[model] = _check_head_split(model, next(model.parameters()).dtype)
+    return _HEAD_SPLIT[model]
 
 
 def _check_head_split(model, dtype: torch.dtype) -> bool:

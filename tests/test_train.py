@@ -295,6 +295,28 @@ def test_masked_logprobs_equal_the_full_forward():
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
+def test_the_head_split_is_checked_per_model_not_per_class():
+    """Two models of one class, one scaling its logits (Granite's logits_scaling): the masked LM
+    head is used for the one whose logits it reproduces only, whichever is checked first."""
+    import torch
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    def granite(scaling):
+        torch.manual_seed(0)
+        return GraniteForCausalLM(GraniteConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, logits_scaling=scaling))
+    plain, scaled = granite(1.0), granite(4.0)
+    assert algos.head_split_ok(plain) and not algos.head_split_ok(scaled)
+    ids = torch.randint(0, 50, (2, 9))
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+          "position_ids": torch.arange(9).repeat(2, 1)}
+    mask = torch.ones(2, 8)
+    full, _ = policy.token_logprobs(scaled, mb, 1.0)
+    masked, _ = policy.token_logprobs(scaled, mb, 1.0, mask=mask)
+    assert torch.allclose(masked, full, atol=1e-5)
+
+
 def test_spread_picks_evenly():
     assert spread(list(range(10)), 3) == [0, 3, 6]
     assert spread([5, 6], 0) == [5, 6] and spread([5, 6], 9) == [5, 6]

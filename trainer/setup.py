@@ -148,9 +148,11 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
         cfg.seed + global_rank())
     if ckpt:
         resume(run, ckpt)
-    # the log-prob path's check (one forward), once before the first step rather than in it; after
-    # the optimizers are made: under FSDP a forward leaves the parameters unsharded
-    algos.head_split_ok(prec.model)
+    # the log-prob path's check (one forward a model), before the first step rather than in it;
+    # after the optimizers are made: under FSDP a forward leaves the parameters unsharded
+    for model in (prec.model, run.ref):
+        if model is not None:
+            algos.head_split_ok(model)
     return run
 
 

@@ -1,15 +1,17 @@
-"""Multi-turn rollouts, token in / token out (docs/algorithms.md: the token row, the statuses).
+"""Multi-turn rollouts, token in / token out (docs/algorithms.md: token row, statuses).
 
-All unfinished trajectories reply together, then their envs step together (one batched call). A
-trajectory's row of token ids is built by appending, never re-encoding: the prompt, then per turn
-the sampled ids (loss mask 1, sampler log-probs kept) and the observation turn's ids (mask 0), read
-off the tokenizer's own chat template (`ChatFormat`). So the ids trained on are the ids the sampler
-produced and saw; each turn the row is checked against the template (`Trajectory.template`).
+All unfinished trajectories reply together, then their envs step together (one batched call).
+A trajectory's row of token ids is built by appending, never re-encoding: the prompt, then per
+turn the sampled ids (loss mask 1, sampler log-probs kept) and the observation turn's ids
+(mask 0), read off the tokenizer's own chat template (`ChatFormat`). So the ids trained on are
+the ids the sampler produced and saw; each turn the row is checked against the template
+(`Trajectory.template`).
 
-Who replies is a policy with one method, `replies(trajectories, slots) -> [Reply]`: sampled ids
-(`EnginePolicy`), or written text (eval.py's chat endpoint, the warm starts' expert). One loop plays
-them all, so prompts, parsing, statuses and rows are the same for training, evaluation and
-demonstrations. An env error is never a reward: the trajectory is dropped from the loss.
+Who replies is a policy with one method, `replies(trajectories, slots) -> [Reply]`: sampled
+ids (`EnginePolicy`), or written text (eval.py's chat endpoint, the warm starts' expert). One
+loop plays them all, so prompts, parsing, statuses and rows are the same for training,
+evaluation and demonstrations. An env error is never a reward: the trajectory is dropped from
+the loss.
 """
 
 from __future__ import annotations
@@ -25,45 +27,50 @@ from env_server.agents import Move, make_agent, opens_by_guessing
 from env_client import EnvError, EnvPool, train_reward
 
 
-# ---------------------------------------------------------------- chat template, as token deltas
+# ------------------------------------------------------------ chat template, as token deltas
 class ChatFormat:
-    """What to append after a sampled reply, read off the tokenizer's own chat template: rendered on
-    [user U, assistant A, user OBS], the text after "A" is the observation turn (end-of-turn marker,
-    user turn, generation prompt); its first token is the end-of-turn token a reply ends with."""
+    """What to append after a sampled reply, read off the tokenizer's own chat template:
+    rendered on [user U, assistant A, user OBS], the text after "A" is the observation turn
+    (end-of-turn marker, user turn, generation prompt); its first token is the end-of-turn
+    token a reply ends with."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; use an instruct/chat model's")
+            raise ValueError("the tokenizer has no chat template: use an instruct model's")
         self.tok = tokenizer
-        self._dialog = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        self._dialog = [{"role": "user", "content": "U"},
+                        {"role": "assistant", "content": "A"}]
         self._gen_prompt = self._render(self._dialog[:1], gen=True)  # what a reply follows
+        self._head = self._gen_prompt + "A"  # the dialog up to the end of the reply
+        if not self._render(self._dialog + [{"role": "user", "content": "x"}],
+                            gen=True).startswith(self._head):
+            raise ValueError("the chat template does not render an assistant turn as "
+                             "prompt + content; cannot build observation turns from it")
         anchor = self.encode(self._after_reply("x"))
         first = anchor[0] if anchor else None
         special = (set(tokenizer.all_special_ids)
                    | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}))
         # The first token after the reply if it is special (<|im_end|>, <|end|>); else the eos
         self.eot_id = first if first in special else tokenizer.eos_token_id
-        self.stop_ids = sorted({i for i in (self.eot_id, tokenizer.eos_token_id) if i is not None})
+        ends = (self.eot_id, tokenizer.eos_token_id)
+        self.stop_ids = sorted({i for i in ends if i is not None})
         self.eot_is_anchor = first in special
         self.prefix_preserving = self._check_prefix_preserving()
 
-    def _render(self, messages: list[dict], gen: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    def _render(self, msgs: list[dict], gen: bool) -> str:
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        """Sampled ids as the reply text the env and the logs see (special tokens as written)."""
-        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """Sampled ids as the text the env and the logs see, special tokens as written."""
+        return self.tok.decode(ids, skip_special_tokens=False,
+                               clean_up_tokenization_spaces=False)
 
     def _after_reply(self, observation: str) -> str:
-        head = self._gen_prompt + "A"
-        full = self._render(self._dialog + [{"role": "user", "content": observation}], gen=True)
-        if not full.startswith(head):
-            raise ValueError("the chat template does not render an assistant turn as prompt + "
-                             "content; cannot build observation turns from it")
-        return full[len(head):]
+        turn = {"role": "user", "content": observation}
+        return self._render(self._dialog + [turn], gen=True)[len(self._head):]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self._render(messages, gen=True))
@@ -77,9 +84,9 @@ class ChatFormat:
         return ids + [self.eot_id]
 
     def observation_ids(self, observation: str, reply_ended: bool) -> list[int]:
-        """Ids to append after a reply: the end-of-turn token (unless the policy sampled it), the
-        user turn, the generation prompt; tokenised with the end-of-turn token in front, as inside
-        the full template, so boundaries match."""
+        """Ids to append after a reply: the end-of-turn token (unless the policy sampled it),
+        the user turn, the generation prompt; tokenised with the end-of-turn token in front,
+        as inside the full template, so boundaries match."""
         ids = self.encode(self._after_reply(observation))
         if reply_ended and self.eot_is_anchor:
             ids = ids[1:]
@@ -94,7 +101,8 @@ class ChatFormat:
         eos = self.tok.eos_token or ""
         if eos and short.endswith(eos):  # Phi-3 ends a finished conversation with eos
             short = short[: -len(eos)]
-        return self._render(msgs + [{"role": "user", "content": "Q2"}], gen=True).startswith(short)
+        longer = self._render(msgs + [{"role": "user", "content": "Q2"}], gen=True)
+        return longer.startswith(short)
 
 
 # ---------------------------------------------------------------- trajectories
@@ -114,7 +122,7 @@ class Trajectory:
     error: str | None = None
     n_prompt: int = 0  # ids of the opening prompt
     agent: str = "react"  # the scheme that played it (agents.SCHEMES)
-    # each turn's change of `reward`, a retry's reset included: they sum to `reward` (GiGPO's steps)
+    # each turn's change of `reward`, a retry's reset included (GiGPO's steps): they sum to it
     turn_rewards: list[float] = field(default_factory=list)
 
     @property
@@ -123,7 +131,7 @@ class Trajectory:
 
     def append_ids(self, ids: list[int], sampled: bool = False,
                    logprobs: list[float] | None = None) -> None:
-        """Grow the row: ids with loss mask 1 and the sampler's log-probs if sampled, else 0s."""
+        """Grow the row: if sampled, loss mask 1 and the sampler's log-probs; else 0s."""
         self.token_ids += ids
         self.loss_mask += [int(sampled)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
@@ -135,7 +143,7 @@ def is_success(t: Trajectory) -> bool:
 
 
 def informative_groups(trajs: list[Trajectory]) -> set[int]:
-    """Groups not all of one score (env errors left out): the only ones with GRPO/RLOO signal."""
+    """Groups not all of one score (env errors left out): the only ones with a signal."""
     scores: dict = {}
     for t in trajs:
         if t.status != "env_error":
@@ -144,9 +152,10 @@ def informative_groups(trajs: list[Trajectory]) -> set[int]:
 
 
 def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[str]:
-    """GiGPO's anchor state of each sampled turn (algos.anchor_index): the user message before it,
-    or `reported`, a key per turn from the env (none reports one yet). The sampled turns are the
-    last `t.turns` assistant messages: the opening may hold an unsampled one (the ack)."""
+    """GiGPO's anchor state of each sampled turn (algos.anchor_index): the user message before
+    it, or `reported`, a key per turn from the env (none reports one yet). The sampled turns
+    are the last `t.turns` assistant messages: the opening may hold an unsampled one (the
+    ack)."""
     if reported is not None:
         if len(reported) != t.turns:
             raise ValueError(f"{len(reported)} reported state keys for {t.turns} turns")
@@ -158,9 +167,10 @@ def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[st
     return [t.messages[i - 1]["content"] for i in replies]
 
 
-# The row against the template's rendering of its messages, from best to worst: the same ids; the
-# same text, another valid tokenisation of sampled text; other text (a template that rewrites
-# history, e.g. Qwen3 drops earlier <think> blocks). The row keeps what the policy saw.
+# The row against the template's rendering of its messages, from best to worst: the same ids;
+# the same text, another valid tokenisation of sampled text; other text (a template that
+# rewrites history, e.g. Qwen3 drops earlier <think> blocks). The row keeps what the policy
+# saw.
 TEMPLATE_CHECKS = ("exact", "noncanonical", "mismatch")
 
 
@@ -183,7 +193,7 @@ class RolloutConfig:
 
     @classmethod
     def of(cls, cfg, max_turns: int) -> "RolloutConfig":
-        """The one place a script's flags become rollout settings (train.py, eval.py, sft.py)."""
+        """The one place a script's flags become rollout settings (train, eval, sft)."""
         return cls(max_turns=max_turns, max_new_tokens=cfg.max_new_tokens,
                    max_context=getattr(cfg, "max_context", 4096),
                    temperature=cfg.temperature, top_p=getattr(cfg, "top_p", 1.0))
@@ -194,7 +204,7 @@ class RolloutConfig:
 class Reply:
     text: str
     ids: list[int] | None = None  # ids appended with loss mask 1; None: a text-only policy
-    logprobs: list[float] | None = None  # the sampler's log-prob of each id (0 for written text)
+    logprobs: list[float] | None = None  # the sampler's log-prob of each id (written text: 0)
     stopped: bool = True  # ended with the end-of-turn token (False: cut at max_new_tokens)
 
 
@@ -211,18 +221,18 @@ class EnginePolicy:
                                        self.fmt.stop_ids, cfg.temperature, cfg.top_p,
                                        self.generator, reuse=True)
         return [Reply(self.fmt.decode(s.ids[:-1] if s.stopped else s.ids), s.ids, s.logprobs,
-                      s.stopped and s.ids[-1] == self.fmt.eot_id)  # stopped by eos: eot follows
+                      s.stopped and s.ids[-1] == self.fmt.eot_id)  # eos: eot follows
                 for s in samples]
 
     def finish(self) -> None:
-        self.engine.forget()  # the conversations are over: free the cache kept for their next turn
+        self.engine.forget()  # the conversations are over: free the cache kept for them
 
 
 # ---------------------------------------------------------------- the turn loop
 def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
                        agents: list, cfg: RolloutConfig) -> list[Trajectory]:
-    """Reset pool instance i to task item_ids[i] (the instances past them stay idle): a Trajectory
-    each, with its agent's opening messages, or env_error where the reset failed."""
+    """Reset pool instance i to task item_ids[i] (the others stay idle): a Trajectory each,
+    with its agent's opening messages, or env_error where the reset failed."""
     assert len(item_ids) == len(groups) <= pool.size
     trajs = []
     firsts = pool.reset(list(item_ids) + [None] * (pool.size - len(item_ids)))
@@ -238,9 +248,9 @@ def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: lis
 
 def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move],
                cfg: RolloutConfig) -> None:
-    """One turn's env side for the trajectories that replied (moves[i] = agents[i].act(reply)):
-    one batched step; then each gets its next user message (the agent's rendering of the answer, or
-    its note where nothing was stepped), its reward on the trainer's 0-1 scale and its status."""
+    """A turn's env side, for the trajectories with a move (agents[i].act(reply)): one batched
+    step; then each gets its next user message (the agent's rendering of the answer, or its
+    note where nothing was stepped), its reward on the trainer's 0-1 scale and its status."""
     results = pool.step([moves[i].action if i in moves else None for i in range(pool.size)])
     retry = []
     for i, move in moves.items():
@@ -263,7 +273,7 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
             t.status = "max_turns"
     if retry:
         _retry(pool, trajs, agents, retry, cfg)
-    for i in moves:  # after the resets: a retried attempt's reward is taken back on its last turn
+    for i in moves:  # after the resets: a retried attempt's reward is taken back here
         t = trajs[i]
         if t.status != "env_error":
             t.turn_rewards.append(t.reward - sum(t.turn_rewards))
@@ -284,9 +294,9 @@ def _retry(pool: EnvPool, trajs: list[Trajectory], agents: list, retry: list[int
 def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[int],
             cfg: RolloutConfig, fmt: ChatFormat | None = None, agent: str = "react",
             progress=None) -> list[Trajectory]:
-    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended. Without
-    `fmt` (a text policy) no token rows. A reply may be an EnvError (the trajectory is an env error)
-    or None (the policy has nothing to say: max_turns)."""
+    """Play `item_ids[i]` in pool instance i, all at once, until every trajectory has ended.
+    Without `fmt` (a text policy) no token rows. A reply may be an EnvError (the trajectory is
+    an env error) or None (the policy has nothing to say: max_turns)."""
     agents = [make_agent(agent, env, cfg.max_turns) for _ in item_ids]
     trajs = start_trajectories(pool, env, item_ids, groups, agents, cfg)
     for t in trajs:
@@ -302,7 +312,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
         if not active:
             break
         replies = dict(zip(active, policy.replies([trajs[i] for i in active], active)))
-        moves = {i: agents[i].act(r.text) for i, r in replies.items() if _take_reply(trajs[i], r)}
+        moves = {i: agents[i].act(r.text) for i, r in replies.items()
+                 if _take_reply(trajs[i], r)}
         play_moves(pool, trajs, agents, moves, cfg)
         for i in moves:
             if fmt is not None and not trajs[i].finished:
@@ -319,7 +330,7 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
 
 
 def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
-    """Add a reply to its trajectory; False where there is no move to play (an error, no reply)."""
+    """Add a reply to its trajectory; False where there is no move (an error, no reply)."""
     if r is None or isinstance(r, EnvError):
         t.status, t.error = ("max_turns", None) if r is None else ("env_error", str(r))
         return False
@@ -330,15 +341,15 @@ def _take_reply(t: Trajectory, r: Reply | EnvError | None) -> bool:
     return True
 
 
-# No tokenizer's tokens run longer, in practice: text past this many characters a token of room
-# cannot fit, and is cut before it is tokenized whole, logged or sent to an endpoint
+# No tokenizer's tokens run longer, in practice: text past this many characters a token of
+# room cannot fit, and is cut before it is tokenized whole, logged or sent to an endpoint
 CHARS_PER_TOKEN = 32
 
 
 def _fit(text: str, t: Trajectory, cfg: RolloutConfig) -> str:
     """An env's observation cut to what could still fit in t's --max-context, before its agent
-    adds its own words (a reflection's request stays): a server that answers 10 MB would otherwise
-    cost seconds and gigabytes to tokenize, and as much in the log."""
+    adds its own words (a reflection's request stays): a server that answers 10 MB would
+    otherwise cost seconds and gigabytes to tokenize, and as much in the log."""
     budget = max(cfg.max_context - len(t.token_ids), 0) * CHARS_PER_TOKEN
     if len(text) <= budget:
         return text
@@ -347,13 +358,14 @@ def _fit(text: str, t: Trajectory, cfg: RolloutConfig) -> str:
 
 def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
                         cfg: RolloutConfig) -> None:
-    """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown row. A
-    row they fill ends at --max-context: nothing after its last reply is trained on."""
+    """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown
+    row. A row they fill ends at --max-context: nothing after its last reply is trained on."""
     ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
     room = max(cfg.max_context - len(t.token_ids), 0)
     t.append_ids(ids[:room])
-    if cfg.check_template and len(ids) <= room and t.template != "mismatch":  # its worst so far
-        t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
+    if cfg.check_template and len(ids) <= room and t.template != "mismatch":  # worst so far
+        worst = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
+        t.template = worst
     if len(t.token_ids) >= cfg.max_context:
         t.status = "context_limit"
 
@@ -364,23 +376,25 @@ def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:
         why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
                if not fmt.prefix_preserving
                else "decode/encode is not a round trip for this tokenizer")
-        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering "
-                      f"of their messages: {why}. Rows keep the ids the policy saw, and those are "
-                      "trained on.", stacklevel=3)
+        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's "
+                      f"rendering of their messages: {why}. Rows keep the ids the policy "
+                      "saw, and those are trained on.", stacklevel=3)
 
 
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play,
                    desc: str = "play", leave: bool = True, timeout: float = 120.0,
                    played: list[Trajectory] = (), chunk_done=None) -> list[Trajectory]:
     """Episodes (task items[e], group groups[e]) on at most `size` instances at once, chunk by
-    chunk: play(pool, items, groups, progress) -> trajectories, the last chunk padded with copies
-    (dropped after). `played`: whole chunks played before (a resumed evaluation), not played again;
-    `chunk_done(c, trajectories)` after each chunk c. A progress bar counts ended episodes."""
+    chunk: play(pool, items, groups, progress) -> trajectories, the last chunk padded with
+    copies (dropped after). `played`: whole chunks played before (a resumed evaluation), not
+    played again; `chunk_done(c, trajectories)` after each chunk c. A progress bar counts
+    ended episodes."""
     from tqdm import tqdm
 
     size = max(1, min(size, len(items)))
     if len(played) % size and len(played) != len(items):
-        raise ValueError(f"{len(played)} episodes played before are not whole chunks of {size}")
+        raise ValueError(f"{len(played)} episodes played before are not whole chunks of "
+                         f"{size}")
     trajs: list[Trajectory] = list(played)
     n_chunks = -(-len(items) // size)
     with EnvPool(url, size, timeout=timeout) as pool, \
@@ -391,7 +405,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
                 continue
             its, gs = items[s:s + size], groups[s:s + size]
 
-            def progress(turn: int, ended: int, n: int) -> None:  # called while this chunk plays
+            # called while this chunk plays
+            def progress(turn: int, ended: int, n: int) -> None:
                 bar.n = s + min(ended, len(its))  # the padding copies are not counted
                 bar.set_postfix_str(f"chunk {c + 1}/{n_chunks}, turn {turn}", refresh=False)
                 bar.refresh()
@@ -409,9 +424,9 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
 # ---------------------------------------------------------------- training batch
 def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, T) tensors of the rows (env errors left out by the caller): input_ids,
-    attention_mask, position_ids, loss_mask, old_logprobs (the sampler's log-prob of token t given
-    tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0; else -1); and
-    (B,) rewards (outcomes) and group_ids."""
+    attention_mask, position_ids, loss_mask, old_logprobs (the sampler's log-prob of token t
+    given tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0; else
+    -1); and (B,) rewards (outcomes) and group_ids."""
     T = max(len(t.token_ids) for t in trajs)
     B = len(trajs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -426,22 +441,23 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         lps[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
     pos = torch.arange(T).expand(B, T).clone()
     sampled = mask > 0
-    # One turn, one run of sampled ids (observation ids lie between two replies): number the starts
-    starts = sampled & ~torch.cat([torch.zeros((B, 1), dtype=torch.bool), sampled[:, :-1]], dim=1)
+    starts = sampled.clone()  # a turn is one run of sampled ids: number the runs' first ids
+    starts[:, 1:] &= ~sampled[:, :-1]
     turn_ids = torch.where(sampled, starts.long().cumsum(dim=1) - 1, -1)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group for t in trajs], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": mask,
-            "old_logprobs": lps, "rewards": rewards, "group_ids": groups, "turn_ids": turn_ids}
+            "old_logprobs": lps, "turn_ids": turn_ids,
+            "rewards": rewards, "group_ids": groups}
 
 
 def length_buckets(lengths: list[int], max_tokens: int,
                    overhead_tokens: int | None = None) -> list[list[int]]:
     """Split row indices into micro-batches of similar length, each with rows x longest <=
     max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
-    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens / 16).
-    Rows sorted by length make each batch a contiguous run, so a short dynamic programme finds the
-    best cut points."""
+    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens /
+    16). Rows sorted by length make each batch a contiguous run, so a short dynamic programme
+    finds the best cut points."""
     overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     L = [lengths[i] for i in order]
@@ -467,8 +483,8 @@ def length_buckets(lengths: list[int], max_tokens: int,
 
 # ---------------------------------------------------------------- trajectory log
 def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> None:
-    """OUT/rollouts/step_000042.jsonl: a JSON line per trajectory, its fields, `step`, `max_turns`
-    (the format the viewer and sft.py --from-log read)."""
+    """OUT/rollouts/step_000042.jsonl: a JSON line per trajectory, its fields, `step`,
+    `max_turns` (the format the viewer and sft.py --from-log read)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -480,8 +496,8 @@ def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> 
 
 
 def outcomes(trajs: list[Trajectory]) -> dict:
-    """How episodes ended, counted in this one place (training, eval.py): statuses over all, the
-    rest over those without env errors. turns_per_success is None where nothing succeeded."""
+    """How episodes ended, counted in this one place (training, eval.py): statuses over all,
+    the rest over those without env errors; turns_per_success None where none succeeded."""
     kept = [t for t in trajs if t.status != "env_error"]
     wins = [t.turns for t in kept if is_success(t)]
     n = max(1, len(kept))

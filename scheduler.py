@@ -1,24 +1,25 @@
 """Turn-horizon schedules: how many assistant turns (rounds) a trajectory may take at step s.
 
-ScalingInter-RL (Xi et al. 2025, "AgentGym-RL", arXiv 2509.08755) starts with a short horizon, so
-the agent first learns to solve tasks in few turns, and lengthens it in stages, so it then learns
-to use longer interaction (planning, reflection) without the collapse seen with long fixed
-horizons.
+ScalingInter-RL (Xi et al. 2025, "AgentGym-RL", arXiv 2509.08755) starts with a short horizon,
+so the agent first learns to solve tasks in few turns, and lengthens it in stages, so it then
+learns to use longer interaction (planning, reflection) without the collapse seen with long
+fixed horizons.
 
 Every schedule answers `max_turns(step)` for a step counted from 1, and `stage(step)` for the
-index of the stage that step falls in. Its whole state is in `state_dict()`, so a run resumed from
-a checkpoint continues exactly where it stopped. Upstream's StepRoundsScheduler counted calls
-internally and came back one step off after a resume; here the step is always passed in
-explicitly, and schedules that learn from training (`observe`) record the last step they observed
-and refuse to see it twice.
+index of the stage that step falls in. Its whole state is in `state_dict()`, so a run resumed
+from a checkpoint continues exactly where it stopped. Upstream's StepRoundsScheduler counted
+calls internally and came back one step off after a resume; here the step is always passed in
+explicitly, and schedules that learn from training (`observe`) record the last step they
+observed and refuse to see it twice.
 
 - FixedHorizon(turns): the same horizon at every step.
-- StepwiseHorizon(rounds, every): ScalingInter-RL; step s uses rounds[min((s-1) // every, len-1)].
+- StepwiseHorizon(rounds, every): ScalingInter-RL; step s uses
+  rounds[min((s-1) // every, len-1)].
 - `SCHEDULES` / `register_schedule`: the --schedule-kind registry; trainer/plateau.py adds
   "plateau" (not in the paper: the next horizon once the success rate has stopped improving).
 
-Rounds need not increase: a shrinking horizon is a legitimate ablation, so any list of positive
-integers is accepted. Zero or negative turns are rejected.
+Rounds need not increase: a shrinking horizon is a legitimate ablation, so any list of
+positive integers is accepted. Zero or negative turns are rejected.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class HorizonSchedule:
         return {"kind": self.kind, **self._config()}
 
     def load_state_dict(self, d: dict) -> None:
-        # A checkpoint made under another schedule would silently change the experiment: refuse it.
+        # A checkpoint of another schedule would change the experiment unseen: refuse it
         mine = self.state_dict()
         theirs = {k: d.get(k) for k in ("kind", *self._config())}
         if theirs != {k: mine[k] for k in theirs}:
@@ -61,14 +62,14 @@ class HorizonSchedule:
 
 
 def check_step(step: int) -> int:
-    """`step` as an int, refused unless it counts from 1 (every schedule's methods check it)."""
+    """`step` as an int, refused unless it counts from 1 (checked by every schedule)."""
     if int(step) != step or step < 1:
         raise ValueError(f"training steps count from 1, got {step!r}")
     return int(step)
 
 
 def check_rounds(rounds) -> list[int]:
-    """The horizons as ints, refused unless all are positive (every schedule's constructor)."""
+    """The horizons as ints, refused unless all are positive (each schedule's __init__)."""
     rounds = [int(r) for r in rounds]
     if not rounds or any(r < 1 for r in rounds):
         raise ValueError(f"--schedule: turns must be positive integers, got {rounds}")
@@ -108,7 +109,8 @@ class StepwiseHorizon(HorizonSchedule):
     def __init__(self, rounds: list[int], every: int):
         self.rounds = check_rounds(rounds)
         if int(every) < 1:
-            raise ValueError(f"--schedule-every must be a positive number of steps, got {every}")
+            raise ValueError(f"--schedule-every must be a positive number of steps, got "
+                             f"{every}")
         self.every = int(every)
 
     def stage(self, step: int) -> int:
@@ -127,9 +129,9 @@ class StepwiseHorizon(HorizonSchedule):
 
 _SPEC_RE = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")
 
-# --schedule-kind NAME: a factory (rounds, every, **kw) -> HorizonSchedule for a list of two or
-# more horizons (a single horizon is always FixedHorizon). `register_schedule` adds one from
-# anywhere (trainer/plateau.py adds "plateau" when imported).
+# --schedule-kind NAME: a factory (rounds, every, **kw) -> HorizonSchedule for a list of two
+# or more horizons (a single horizon is always FixedHorizon). `register_schedule` adds one
+# from anywhere (trainer/plateau.py adds "plateau" when imported).
 SCHEDULES: dict = {}
 
 
@@ -163,10 +165,10 @@ def stage_steps(spec: str, steps: int, every: int | None = None) -> int:
 
 
 def make_schedule(spec: str, every: int = 100, kind: str = "step", **kw) -> HorizonSchedule:
-    """Build a schedule from the CLI: `--schedule 15` is a fixed horizon, `--schedule 10,20,30` a
-    staged one of kind `kind` (SCHEDULES): "step" advances every `every` steps (ScalingInter-RL);
-    a registered kind takes its own options as `**kw` (trainer/plateau.py's "plateau": patience,
-    min_delta, window)."""
+    """Build a schedule from the CLI: `--schedule 15` is a fixed horizon, `--schedule
+    10,20,30` a staged one of kind `kind` (SCHEDULES): "step" advances every `every` steps
+    (ScalingInter-RL); a registered kind takes its own options as `**kw` (trainer/plateau.py's
+    "plateau": patience, min_delta, window)."""
     rounds = horizons(spec)
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule kind {kind!r}; "

@@ -1,7 +1,7 @@
 """Multi-turn RL for LLM agents (AgentGym-RL), top to bottom: config, the loop, the update.
 
-    python train.py --env textcraft --schedule 10,20,30       # ScalingInter-RL, 3 horizon stages
-    python train.py --env babyai --schedule 15 --algo ppo      # fixed horizon, PPO with a critic
+    python train.py --env textcraft --schedule 10,20,30       # ScalingInter-RL: 3 stages
+    python train.py --env babyai --schedule 15 --algo ppo      # a fixed horizon, PPO
     python train.py --env corridor --steps 40 --out runs/c --resume   # continue a run
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct
 
@@ -9,15 +9,15 @@ A step, in `main`'s order: the horizon K; the rollout (rollout.py); which trajec
 trained on; the learning rate; the advantages (algos.py); the update by the clipped loss (the
 ratio's denominator is chosen in `update`); the --max-update-kl guard; the new weights to the
 sampler; a line of metrics. Layers (trainer/, models/) change speed, robustness and logging,
-never what is computed. `run` (trainer/run.py) holds what setup made: cfg, engine, fmt (chat
-template), pool (env instances), schedule, model (fp32 master weights), prec.model (what
-computes: model or its bf16 copy), ref, critic, optims.
+never what is computed. `run` (trainer/run.py's Run) holds what setup made: cfg, engine, fmt
+(chat template), pool (env instances), schedule, model (fp32 master weights), prec.model (the
+one that computes: model or its bf16 copy), ref, critic, optims.
 """
 
 from __future__ import annotations
 
 import os
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: trainer/cli.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before OpenMP loads: trainer/cli.py
 import math
 import time
 
@@ -60,7 +60,7 @@ def main(cfg: config.Config) -> dict:
             played = ranks.all_gather_list(trajs)  # every rank's: for metrics and the log
             m = layer.rollout_metrics(played, K)
             n_played, errors = len(played), m["status_env_error"]
-            # Too many env errors: what is left is a biased sample (say, only the short episodes)
+            # Too many env errors leave a biased sample (say, only the short episodes)
             m["bad"] = errors > cfg.max_env_error_share * n_played
             if not m["bad"]:  # a plateau schedule moves on when success stops improving
                 run.schedule.observe(step, m["success_rate"])
@@ -96,10 +96,10 @@ def main(cfg: config.Config) -> dict:
 
 def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list[Trajectory]]:
     """Dynamic sampling: tied groups carry no signal, so up to --max-resample more rounds of
-    play(items, groups) run until the update sees --batch-size informative groups (fewer if the
-    rounds run out). --resample fresh (DAPO): a fresh task under a new group id replaces a tied
-    group; extend: the tied group's own task --group-size more times under its id, so that a task
-    solved 1 time in 8 still shows its win. Returns (the trajectories to train on, the extra).
+    play(items, groups) run until the update sees --batch-size informative groups (fewer if
+    the rounds run out). --resample fresh (DAPO): a fresh task under a new group id replaces a
+    tied group; extend: the tied group's own task --group-size more times under its id, so a
+    task solved 1 time in 8 still shows its win. Returns (those to train on, the extra ones).
     One process only: trainer/config.py refuses --dynamic-sampling under torchrun."""
     cfg = run.cfg
     keep = informative_groups(trajs)
@@ -116,7 +116,7 @@ def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list
         else:  # a fresh task for each missing group, drawn in each round
             fresh = run.data_rng.sample(run.train_ids, min(missing, len(run.train_ids)))
             item_ids = [i for i in fresh for _ in range(cfg.group_size)]
-            groups = [next_group + g for g in range(len(fresh)) for _ in range(cfg.group_size)]
+            groups = [next_group + k // cfg.group_size for k in range(len(item_ids))]
             next_group += len(fresh)
         extra += play(item_ids, groups)
         grown = [t for t in trajs + extra if t.group in groups]  # a group's every round
@@ -139,9 +139,9 @@ def set_lr(run, step: int) -> float:
 
 
 def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
-    """The base rate's share at `step` of `steps`: 1, or with --lr-decay linear or cosine down to
-    1/steps at the last step (never 0), times s / (warmup + 1) at a step s <= --warmup-steps
-    (Adam's first steps are full size whatever the gradient's scale)."""
+    """The base rate's share at `step` of `steps`: 1, or with --lr-decay linear or cosine down
+    to 1/steps at the last step (never 0), times s / (warmup + 1) at a step s <=
+    --warmup-steps (Adam's first steps are full size whatever the gradient's scale)."""
     low = 1.0 / steps
     ramp = step / (warmup + 1) if step <= warmup else 1.0
     if decay == "linear":
@@ -153,23 +153,23 @@ def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
 
 
 def guard(run, step: int, m: dict) -> None:
-    """--max-update-kl: a step whose update moved the policy further than the bound (update_kl)
-    halves the learning rate of every step after it (run.lr_scale, kept in checkpoints)."""
+    """--max-update-kl: a step whose update moved the policy past the bound (update_kl) halves
+    the learning rate of every step after it (run.lr_scale, kept in checkpoints)."""
     bound = run.cfg.max_update_kl
     if bound and m.get("update_kl") is not None and m["update_kl"] > bound:
         run.lr_scale *= 0.5
-        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl {bound:g}: "
-                   f"learning rate halved to {run.lr_scale:g} x the schedule's from step "
-                   f"{step + 1}")
+        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl "
+                   f"{bound:g}: learning rate halved to {run.lr_scale:g} x the schedule's "
+                   f"from step {step + 1}")
     m["lr_scale"] = run.lr_scale
 
 
 # ================================================================ one update
 def advantages(run, rows: layer.Rows) -> tuple:
-    """(advantages, returns, values), each (B, T-1) on sampled tokens, by the --algo estimator.
-    Whitening uses every rank's tokens (global_whiten), as one process holding all rows would."""
+    """(advantages, returns, values), each (B, T-1) on sampled tokens, by --algo's estimator.
+    Whitening sees every rank's tokens (global_whiten), as one process with all rows would."""
     cfg, batch, trajs = run.cfg, rows.batch, rows.trajs
-    mask = batch["loss_mask"][:, 1:]  # token t+1's at t, where the logits that produced it are
+    mask = batch["loss_mask"][:, 1:]  # token t+1's at t, where its logits are
     est = algos.estimator(cfg.algo)
     values = None
     if est.critic:  # V of the prefix that produced token t+1
@@ -185,14 +185,14 @@ def advantages(run, rows: layer.Rows) -> tuple:
 
 
 def update(run, rows: layer.Rows, adv, returns, values) -> dict:
-    """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length; under
-    torchrun, one process's update on every rank's rows: each micro-batch's loss weighs its share
-    (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP's collectives)."""
+    """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length;
+    under torchrun, one process's update on every rank's rows: each micro-batch's loss weighs
+    its share (`micro_weight`), and a rank short of micro-batches runs blank ones."""
     cfg, world, B = run.cfg, ranks.world_size(), rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are
     mask = rows.batch["loss_mask"][:, 1:]  # (B, T-1)
     sampler_lp = rows.batch["old_logprobs"][:, 1:]
-    idle = layer.idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: not forwarded
+    idle = layer.idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: skipped
     ref_lp = None if run.ref is None else logprobs(run, run.ref, rows)  # the initial policy's
     # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
     # numbers, in fp32 (HF or vLLM: 3.4e-6 apart a token, bench/sampler_gap.py); else the
@@ -201,7 +201,7 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     recompute = (cfg.tis_cap is not None or run.compute_dtype != torch.float32
                  or (run.engine_kind != "hf" and cfg.top_p < 1))
     old_lp = logprobs(run, run.prec.model, rows, skip=idle) if recompute else sampler_lp
-    tis = algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap) if cfg.tis_cap is not None else None
+    tis = None if cfg.tis_cap is None else algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap)
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp,
                "tis": tis, "values": values, "returns": returns}
     stats = layer.UpdateStats()
@@ -228,26 +228,27 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
                 o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
     m = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
-    m["update_kl"] = update_kl(run, rows.batch, mask, idle, stats.before)  # the guard's measure
+    m["update_kl"] = update_kl(run, rows.batch, mask, idle, stats.before)  # for the guard
     return m
 
 
 def logprobs(run, model, rows: layer.Rows, skip=frozenset()) -> torch.Tensor:
     """`model`'s log-probs of the rows' tokens, (B, T-1), without gradients (0 on `skip`)."""
     t = run.cfg.temperature
-    return rows.passes(lambda mb, mb_mask: token_logprobs(model, mb, t, mask=mb_mask)[0], skip)
+    return rows.passes(lambda mb, m: token_logprobs(model, mb, t, mask=m)[0], skip)
 
 
 def micro_step(run, rows, mask, targets: dict, idx: list[int], loss_norm: float, stats):
-    """Forward and backward of one micro-batch (rows `idx`): the clipped policy loss, the entropy
-    bonus, the KL to the reference, the critic's value loss; their statistics into `stats`."""
+    """Forward and backward of a micro-batch (rows `idx`): the clipped policy loss, the
+    entropy bonus, the KL to the reference, the critic's value loss; statistics to `stats`."""
     cfg, world, batch = run.cfg, ranks.world_size(), rows.batch
     T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
     mb = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
     mb_mask = mask[idx, :T - 1]
     cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
     w = micro_weight(mb_mask, loss_norm, cfg.loss_agg, world)  # its share of the loss
-    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask, with_entropy=True)
+    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask,
+                             with_entropy=True)
     loss, pst = algos.policy_loss(lp, cut["old_lp"], cut["adv"], mb_mask, cfg.clip_low,
                                   cfg.clip_high, cfg.dual_clip, cfg.loss_agg, cut["tis"])
     entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
@@ -270,17 +271,16 @@ def micro_step(run, rows, mask, targets: dict, idx: list[int], loss_norm: float,
 
 
 def micro_weight(mask_micro, loss_norm: float, mode: str, world: int = 1) -> float:
-    """A micro-batch's loss weight, world * agg_denominator(micro) / loss_norm (the mini-batch's
-    agg_denominator over all ranks): the accumulated gradients are the mini-batch loss's in every
-    --loss-agg mode; `world` undoes FSDP's average over ranks."""
+    """A micro-batch's loss weight, world * agg_denominator(micro) / loss_norm (the
+    mini-batch's agg_denominator over all ranks): the accumulated gradients are the mini-batch
+    loss's in every --loss-agg mode; `world` undoes FSDP's average over ranks."""
     return world * algos.agg_denominator(mask_micro, mode) / max(loss_norm, 1.0)
 
 
 def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
               before: list) -> float | None:
-    """How far the update moved the policy: k3 KL(before || after) per sampled token of the first
-    mini-batch's rows but the idle ones, before from its first passes, after from one more forward
-    (the trainer's both: the sampler's rounding is in logprob_diff, not here)."""
+    """How far the update moved the policy: k3 KL(before || after) per sampled token of the
+    first mini-batch's moving rows, both the trainer's (the sampler's gap: logprob_diff)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
     for idx, lp_before in before:  # as many on every rank: FSDP's forward is a collective

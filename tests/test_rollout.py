@@ -157,6 +157,19 @@ def test_qwen3_history_rewriting_is_detected(textcraft_url):
                for t in trajs)
 
 
+def test_a_template_that_rewrites_the_reply_is_refused_when_the_format_is_made():
+    """Observation turns are the template's text after a reply rendered as prompt + content; a
+    template that wraps the content (here in brackets) cannot give them, and says so at once."""
+    from models.tiny import build_tokenizer
+    tok = build_tokenizer(["user assistant U A x"], vocab_size=300)
+    ChatFormat(tok)  # the tiny model's own template renders a reply as it is
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}"
+                         "[{{ m.content }}]{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ValueError, match="does not render an assistant turn as prompt"):
+        ChatFormat(tok)
+
+
 def test_statuses_and_env_errors(textcraft_url):
     tok = real_tokenizer("qwen2.5-instruct")
     fmt = ChatFormat(tok)

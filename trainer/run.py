@@ -1,16 +1,17 @@
-"""The layer a training step walks through, each piece called from train.py at one named point: the
-loop over steps (`Run.steps`: progress bar, held-out evaluations, checkpoints, the env-error rules,
-signals), the tasks a step plays, the engine made ready to sample, the rollout's metrics and log,
-the update's critical section, the metrics line; and the update's machinery: the padded batch and
-its micro-batches by length (`Rows`, rollout.length_buckets), the rows that cannot move the weights
-(`idle_rows`) and the update's statistics (`UpdateStats`). Nothing here changes what a step
-computes: which trajectories are trained on, the advantages, the loss, the learning rate and the
-weight sync are written in train.py.
+"""The layer a training step walks through, each piece called from train.py at one named
+point: the loop over steps (`Run.steps`: progress bar, held-out evaluations, checkpoints, the
+env-error rules, signals), the tasks a step plays, the engine made ready to sample, the
+rollout's metrics and log, the update's critical section, the metrics line; and the update's
+machinery: the padded batch and its micro-batches by length (`Rows`, rollout.length_buckets),
+the rows that cannot move the weights (`idle_rows`) and the update's statistics
+(`UpdateStats`). Nothing here changes what a step computes: which trajectories are trained on,
+the advantages, the loss, the learning rate and the weight sync are written in train.py.
 
-Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop, a
-crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's forward
-and backward are collectives, so every rank runs as many passes as the busiest one, the extra ones
-on a blank row without sampled tokens (weight 0); a rank may bring no trajectory at all.
+Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop,
+a crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's
+forward and backward are collectives, so every rank runs as many passes as the busiest one,
+the extra ones on a blank row without sampled tokens (weight 0); a rank may bring no
+trajectory at all.
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ from trainer.distributed import (Precision, all_gather_list, all_max, all_sum, g
                                  global_rank, rank_items, world_size)
 
 
-# ================================================================ the named points of train.py
+# ============================================================ the named points of train.py
 @contextlib.contextmanager
 def generating(run):
-    """The engine ready to sample: vLLM woken up (weights and KV cache back on the GPU) and put back
-    to sleep after, leaving the memory to the update; HF generate with the policy's weights gathered
-    (under torchrun each rank generates alone: distributed.gathered)."""
+    """The engine ready to sample: vLLM awake (weights, KV cache on the GPU), then asleep,
+    leaving the memory to the update; under torchrun HF samples from gathered weights."""
     run.engine.wake_up()
     try:
-        sharded = world_size() > 1 and isinstance(run.engine, HFEngine)  # FSDP shards the policy
+        sharded = world_size() > 1 and isinstance(run.engine, HFEngine)  # under FSDP
         with gathered(run.prec.model) if sharded else contextlib.nullcontext():
             yield
     finally:
@@ -57,39 +57,39 @@ def generating(run):
 
 
 def log_rollout(run, step: int, K: int, played: list[Trajectory], m: dict, seconds: float):
-    """The rollout's time and speed into the step's metrics `m`, the first env error's text, and
-    every trajectory played (dynamic sampling's extra rounds too) into OUT/rollouts/."""
+    """The rollout's time and speed into the step's metrics `m`, the first env error's text,
+    and every trajectory played (dynamic sampling's extra rounds too) into OUT/rollouts/."""
     m.update(time_rollout_s=seconds,
              tokens_per_s=sum(sum(t.loss_mask) for t in played) / max(seconds, 1e-9))
     if global_rank() == 0:
-        write_log(os.path.join(run.cfg.out, "rollouts", f"step_{step:06d}.jsonl"), step, K, played)
+        write_log(f"{run.cfg.out}/rollouts/step_{step:06d}.jsonl", step, K, played)
     m["first_error"] = next((t.error for t in played if t.status == "env_error"), None)
 
 
 def rollout_metrics(trajs: list[Trajectory], K: int) -> dict:
-    """The step's `outcomes` (statuses as status_*); template checks over all of them (the
-    rollout's time and speed: log_rollout)."""
+    """The step's `outcomes` (statuses as status_*), template checks over all of them."""
     o, kept = outcomes(trajs), [t for t in trajs if t.status != "env_error"]
     groups = {t.group for t in kept}
-    return {"max_turns": K, **{k: o[k] for k in ("reward_mean", "success_rate", "turns_mean")},
-            **{f"status_{k}": v for k, v in o["statuses"].items()}, "guess_share": o["guess_share"],
+    means = {k: o[k] for k in ("reward_mean", "success_rate", "turns_mean")}
+    return {"max_turns": K, **means, **{f"status_{k}": v for k, v in o["statuses"].items()},
+            "guess_share": o["guess_share"],
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
             "groups_informative": len(informative_groups(kept)) / max(1, len(groups))}
 
 
 @dataclasses.dataclass
 class Run:
-    """Everything a step needs, made once by `setup`: models, optimizers, engine, schedule, data."""
+    """What a step needs, made once by `setup`: models, optimizers, engine, schedule, data."""
     cfg: Config
     url: str
-    server: object  # the local env server (env_server.app.ServerProcess), or None with --env-addr
+    server: object  # the local env server (env_server.app.ServerProcess); --env-addr: None
     device: torch.device
     tokenizer: object
     fmt: ChatFormat
     pad: int
     model: torch.nn.Module  # the fp32 master weights: the optimizer's and the checkpoint's
-    prec: Precision  # prec.model computes (generation, forward, backward): master or bf16 copy
-    compute_dtype: torch.dtype  # prec's, or under torchrun FSDP's mixed precision's (prec: fp32)
+    prec: Precision  # prec.model computes (sampling, forward, backward): master or bf16 copy
+    compute_dtype: torch.dtype  # prec's; under torchrun FSDP's mixed precision's (prec: fp32)
     ref: torch.nn.Module | None  # the KL reference (the initial policy), with --kl-coef
     critic: torch.nn.Module | None  # with an estimator that needs one (PPO)
     optims: dict
@@ -97,7 +97,7 @@ class Run:
     schedule: object
     data_rng: random.Random  # the same on every rank: all ranks draw the same tasks
     sample_gen: torch.Generator  # this rank's sampling stream
-    update_gen: torch.Generator  # the update's shuffle (vLLM's CPU sampler draws the global RNG)
+    update_gen: torch.Generator  # the update's shuffle (vLLM's CPU sampler draws the global)
     pool: EnvPool
     train_ids: list[int]
     test_ids: list[int]
@@ -106,13 +106,13 @@ class Run:
     update_threads: int  # and during the update, which makes no env call
     start: int = 1  # the first step to play (after a checkpoint's)
     evals: list = dataclasses.field(default_factory=list)  # the held-out evaluations so far
-    safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as they are
+    safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as is
     saved: int = 0  # the step of the checkpoint on disk
     lr_scale: float = 1.0  # halved by the --max-update-kl guard
     reporter: object = None  # report.Reporter (rank 0; --report-to)
     # shows what the step is doing now on the progress bar (rank 0)
     show: object = lambda text: None
-    engine_kind: str = "hf"  # the engine that actually runs (--engine auto resolved): hf or vllm
+    engine_kind: str = "hf"  # the engine that runs (--engine auto resolved): hf or vllm
     intr: object = None  # Interrupts (below), while the loop runs
     bar: object = None  # the progress bar (rank 0)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
@@ -123,22 +123,22 @@ class Run:
 
     # ---------------------------------------------------------------- train.py's named points
     def steps(self):
-        """The steps from `start` to --steps behind a progress bar; before the first, the starting
-        policy's evaluation; between steps: the env-error rules, evaluations, checkpoints, and
-        (under torchrun) the ranks agreeing to stop on a signal."""
+        """The steps from `start` to --steps behind a progress bar; before the first, the
+        starting policy's evaluation; between steps: the env-error rules, evaluations,
+        checkpoints, and (under torchrun) the ranks agreeing to stop on a signal."""
         cfg, rank, world = self.cfg, global_rank(), world_size()
         self.t_start = time.time()
         self.safe, self.saved = (self.start - 1, snapshot(self)), self.start - 1
         self.bar = tqdm(range(self.start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}",
                         initial=self.start - 1, total=cfg.steps, dynamic_ncols=True,
                         disable=rank != 0)
-        shown = [""]  # the last step's figures, kept in front of what the step now playing is doing
+        shown = [""]  # the last step's figures, shown before what this step is doing
         if rank == 0:
             self.show = lambda text: self.bar.set_postfix_str(
                 ", ".join(x for x in (shown[0], text) if x))
-        before = self.start - 1  # evaluate the starting policy, or an evaluation a stop cut short
-        if before == 0 or (eval_due(cfg, before) and before not in [e["step"] for e in self.evals]):
-            evaluate(self, before)
+        prev = self.start - 1  # the starting policy's evaluation, or one a stop cut short
+        if prev == 0 or (eval_due(cfg, prev) and prev not in [e["step"] for e in self.evals]):
+            evaluate(self, prev)
         for step in self.bar:
             # a stop in this step's rollout replays the step on resume
             self.safe = (step - 1, snapshot(self))
@@ -159,19 +159,21 @@ class Run:
                                         or (cfg.save_every and step % cfg.save_every == 0)):
                 with self.intr.critical():
                     save(self, *self.safe)
-            if world > 1 and all_max(int(self.intr.signum is not None)):  # the ranks stop together
+            if world > 1 and all_max(int(self.intr.signum is not None)):  # stop together
                 raise KeyboardInterrupt
 
     def tasks_for_step(self) -> tuple[list[int], list[int]]:
         """--batch-size training tasks drawn for the step (the same on every rank), each
         --group-size times: this rank's share of them as (item ids, group ids)."""
         cfg = self.cfg
-        chosen = self.data_rng.sample(self.train_ids, min(cfg.batch_size, len(self.train_ids)))
+        n = min(cfg.batch_size, len(self.train_ids))
+        chosen = self.data_rng.sample(self.train_ids, n)
         return rank_items(chosen, cfg.batch_size, cfg.group_size, global_rank(), world_size())
 
     def progress(self, K: int):
-        """The rollout's progress callback: the turn and how many episodes ended, on the bar."""
-        rounds = iter(["rollout"] + [f"resample {r}" for r in range(1, self.cfg.max_resample + 1)])
+        """The rollout's progress callback: the turn and the episodes ended, on the bar."""
+        extra = [f"resample {r}" for r in range(1, self.cfg.max_resample + 1)]
+        rounds = iter(["rollout"] + extra)
         state = {}
 
         def show(turn, ended, n):
@@ -192,8 +194,8 @@ class Run:
                 torch.set_num_threads(self.threads)
 
     def log(self, step: int, m: dict) -> None:
-        """The step's metrics line (metrics.jsonl, reporters); the state a stop now saves is this
-        step's (its weights are the engine's)."""
+        """The step's metrics line (metrics.jsonl, reporters); the state a stop now saves is
+        this step's (its weights are the engine's)."""
         m["skipped_update"] = int("loss" not in m)
         if self.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -210,11 +212,11 @@ class Run:
 
 
 def restart_if_dead(server) -> None:
-    """The local env server (an env_server.app.ServerProcess; None with --env-addr) restarted if
-    it died; the pool replaces the lost instances at its next reset."""
+    """The local env server (an env_server.app.ServerProcess; None with --env-addr) restarted
+    if it died; the pool replaces the lost instances at its next reset."""
     if server is not None and server.proc.poll() is not None:  # it exited
-        tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it on "
-                   f"{server.url}")
+        tqdm.write(f"the env server died (exit code {server.proc.returncode}); restarting it "
+                   f"on {server.url}")
         try:
             server.restart()
         except RuntimeError as e:
@@ -222,8 +224,8 @@ def restart_if_dead(server) -> None:
 
 
 def wait_for_env(server, url: str, wait_s: float) -> None:
-    """After a step lost to env errors: wait up to `wait_s` for the server to answer (a restart
-    elsewhere takes a while), restarting the local one if it dies meanwhile."""
+    """After a step lost to env errors: wait up to `wait_s` for the server to answer (a
+    restart elsewhere takes a while), restarting the local one if it dies meanwhile."""
     deadline = time.time() + wait_s
     while True:
         try:
@@ -231,7 +233,7 @@ def wait_for_env(server, url: str, wait_s: float) -> None:
             return
         except EnvError as e:
             if e.kind not in ("connection", "timeout"):
-                return  # it answered (AgentGym's servers answer their health check in plain text)
+                return  # it answered (AgentGym's answer the health check in plain text)
             if time.time() > deadline:
                 tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
                 return
@@ -244,8 +246,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def evaluate(run: Run, step: int) -> None:
-    """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks; rank 0
-    writes."""
+    """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks; rank
+    0 writes."""
     cfg = run.cfg
     if not (cfg.eval_every and run.test_ids):
         return
@@ -254,7 +256,8 @@ def evaluate(run: Run, step: int) -> None:
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())
     with generating(run):
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen,
-                     cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories, cfg.eval_samples)
+                     cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories,
+                     cfg.eval_samples)
     run.evals.append(r)
     if global_rank() == 0:
         with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
@@ -266,8 +269,8 @@ def evaluate(run: Run, step: int) -> None:
 
 
 def snapshot(run: Run) -> dict:
-    """What a run resumed after the last update needs besides weights and optimizer: the schedule
-    and this rank's random streams (data order, sampling, the update's shuffle, torch)."""
+    """What a run resumed after the last update needs besides weights and optimizer: the
+    schedule, this rank's random streams (data order, sampling, update shuffle, torch)."""
     return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(),
             "lr_scale": run.lr_scale, "rng": {"sample_gen": run.sample_gen.get_state(),
                                               "update_gen": run.update_gen.get_state(),
@@ -277,7 +280,8 @@ def snapshot(run: Run) -> dict:
 def save(run: Run, step: int, snap: dict) -> None:
     state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
              "lr_scale": snap["lr_scale"], "rank_rngs": all_gather_list([snap["rng"]]),
-             "device_type": run.sample_gen.device.type, "dtype": dtype_name(run.compute_dtype),
+             "device_type": run.sample_gen.device.type,
+             "dtype": dtype_name(run.compute_dtype),
              "config": dataclasses.asdict(run.cfg), "minutes": minutes(run)}
     save_checkpoint(run.cfg.out, run.model, run.tokenizer, run.critic, run.optims, state)
     run.saved = step
@@ -288,9 +292,10 @@ def minutes(run: Run) -> float:
     return run.minutes_before + (time.time() - run.t_start) / 60
 
 
-def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Interrupts) -> None:
-    """A step that was not trained on for env errors; after --env-error-patience of them in a row,
-    stop with a checkpoint."""
+def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int,
+                        intr: Interrupts) -> None:
+    """A step that was not trained on for env errors; after --env-error-patience of them in a
+    row, stop with a checkpoint."""
     cfg = run.cfg
     tqdm.write(f"step {step}: {m['status_env_error']} trajectories hit env errors, above "
                f"--max-env-error-share {cfg.max_env_error_share:g}: not trained on. First: "
@@ -299,10 +304,10 @@ def too_many_env_errors(run: Run, step: int, m: dict, bad_steps: int, intr: Inte
         with intr.critical():
             save(run, *run.safe)
         sys.exit(f"stopping: {bad_steps} steps in a row had more than "
-                 f"{cfg.max_env_error_share:.0%} env-error trajectories (--max-env-error-share, "
-                 f"--env-error-patience). Last error: {m['first_error']}\n"
-                 f"The checkpoint at step {step} is in {cfg.out}; fix the env server and continue "
-                 f"with: {resume_command(cfg.out)}")
+                 f"{cfg.max_env_error_share:.0%} env-error trajectories "
+                 f"(--max-env-error-share, --env-error-patience). Last error: "
+                 f"{m['first_error']}\nThe checkpoint at step {step} is in {cfg.out}; fix "
+                 f"the env server and continue with: {resume_command(cfg.out)}")
 
 
 # ================================================================ signals
@@ -313,13 +318,13 @@ class StopNow(BaseException):
 class Interrupts:
     """Ctrl-C and SIGTERM while training stop the run where --resume continues it exactly.
 
-    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the weights have
-    not changed since the last update, and a resumed run replays the step from the random states
-    taken at its start. Inside (the update, a checkpoint write) it waits for the section's end, so
-    that nothing is saved half updated. Under torchrun every signal waits for the end of the step,
-    where the ranks agree to stop together (a rank leaving in the middle of a collective would hang
-    the others). A second signal stops at once, without a checkpoint; an interrupted write never
-    replaces the last good one.
+    Outside `critical()` (rollouts, evaluations) the signal stops the step at once: the
+    weights have not changed since the last update, and a resumed run replays the step from
+    the random states taken at its start. Inside (the update, a checkpoint write) it waits for
+    the section's end, so that nothing is saved half updated. Under torchrun every signal
+    waits for the end of the step, where the ranks agree to stop together (a rank leaving in
+    the middle of a collective would hang the others). A second signal stops at once, without
+    a checkpoint; an interrupted write never replaces the last good one.
     """
 
     def __init__(self, defer_all: bool):
@@ -336,14 +341,15 @@ class Interrupts:
 
     def _on_signal(self, signum, frame):
         if self.signum is not None:
-            raise StopNow(f"{signal.Signals(signum).name} again: stopped without a checkpoint")
+            name = signal.Signals(signum).name
+            raise StopNow(f"{name} again: stopped without a checkpoint")
         self.signum = signum
         if self.depth == 0 and not self.defer_all:
             raise KeyboardInterrupt
         if global_rank() == 0:
             tqdm.write(f"{signal.Signals(signum).name}: stopping after this "
-                       f"{'step' if self.defer_all else 'update'} with a checkpoint (send it again "
-                       "to stop at once, without one)")
+                       f"{'step' if self.defer_all else 'update'} with a checkpoint (send it "
+                       "again to stop at once, without one)")
 
     @contextlib.contextmanager
     def critical(self):
@@ -357,33 +363,37 @@ class Interrupts:
 
 
 # ================================================================ the update's machinery
-SKIP_IDLE = True  # off: idle rows are forwarded too, to the same update (tests/test_plain_layers)
+# off: idle rows are forwarded too, to the same update (tests/test_plain_layers.py)
+SKIP_IDLE = True
 
 
 class Rows:
-    """A step's trajectories as a padded batch on the device (plus, under torchrun, one blank row
-    at index B), and their micro-batches of similar length (at most --micro-batch-tokens each)."""
+    """A step's trajectories as a padded batch on the device (plus, under torchrun, one blank
+    row at index B), and their micro-batches of similar length (at most --micro-batch-tokens
+    each)."""
 
     def __init__(self, run, trajs: list[Trajectory]):
-        self.B, self.world, self.max_tokens = len(trajs), world_size(), run.cfg.micro_batch_tokens
+        self.B, self.world = len(trajs), world_size()
+        self.max_tokens = run.cfg.micro_batch_tokens
         blank = ([Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])]
                  if self.world > 1 else [])
         self.trajs = list(trajs) + blank  # the rows, in order
-        self.batch = {k: v.to(run.device) for k, v in build_batch(self.trajs, run.pad).items()}
+        batch = build_batch(self.trajs, run.pad)
+        self.batch = {k: v.to(run.device) for k, v in batch.items()}
         self.lengths = self.batch["attention_mask"].sum(-1).tolist()
 
     def micro_batches(self, rows: list[int], skip=frozenset()) -> list[list[int]]:
-        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in length
-        buckets, then blank passes up to the busiest rank's count."""
+        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in
+        length buckets, then blank passes up to the busiest rank's count."""
         rows = [i for i in rows if i not in skip] if SKIP_IDLE else list(rows)
         buckets = [[rows[j] for j in b]
                    for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
         return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
 
     def passes(self, fn, skip=frozenset()) -> torch.Tensor:
-        """fn(rows, mask) -> (b, t-1) over every row but `skip`, without gradients: (B, T-1). Each
-        micro-batch is cut to its longest row (t <= T), as the update's are: `rows` holds its
-        input_ids, attention_mask, position_ids (b, t), `mask` its loss mask (b, t-1)."""
+        """fn(rows, mask) -> (b, t-1) over every row but `skip`, without gradients: (B, T-1).
+        Each micro-batch is cut to its longest row (t <= T), as the update's are: `rows` holds
+        its input_ids, attention_mask, position_ids (b, t), `mask` its loss mask (b, t-1)."""
         mask = self.batch["loss_mask"][:, 1:]
         out = torch.zeros_like(mask)
         with torch.no_grad():
@@ -396,21 +406,21 @@ class Rows:
 
 
 def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
-    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO on a group
-    whose outcomes all tie) and the loss has no KL, entropy or value term. They are never forwarded;
-    the loss denominators still count them, so the update equals the one computing them (a zero
-    gradient)."""
+    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO, a group
+    whose outcomes tie) and the loss has no KL, entropy or value term. Never forwarded, they
+    still count in the loss denominators: the update is the one computing them (grad 0)."""
     cfg = run.cfg
     if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
         return set()
-    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass over the batch, not one per row
+    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass, not one a row
     return {i for i, x in enumerate(signal) if x == 0}
 
 
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
-    global loss (so their total is that loss), clip statistics and sampler/trainer mismatch per
-    sampled token; the first mini-batch's log-probs before any optimizer step, for update_kl."""
+    global loss (so their total is that loss), clip statistics and sampler/trainer mismatch
+    per sampled token; the first mini-batch's log-probs before any optimizer step, for
+    update_kl."""
 
     KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "sampled",
             "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
@@ -419,9 +429,9 @@ class UpdateStats:
         self.acc = dict.fromkeys(self.KEYS, 0.0)
         self.grad_norms, self.before, self.first = [], [], False
 
-    def add(self, rows: Rows, idx, share: float, terms: dict, clip: dict, lp, mask, sampler_lp):
-        """One micro-batch (rows `idx`): its loss `terms` (None: not in the loss) by its `share` of
-        the global loss, the clipping statistics, its log-probs `lp` against the sampler's."""
+    def add(self, rows: Rows, idx, share, terms: dict, clip: dict, lp, mask, sampler_lp):
+        """A micro-batch (rows `idx`): its loss `terms` (None: not in the loss) by its `share`
+        of the loss, the clipping statistics, its log-probs `lp` against the sampler's."""
         acc = self.acc
         for k, value in terms.items():
             if value is not None:
@@ -437,18 +447,17 @@ class UpdateStats:
         acc["sampled"] += sampled
         acc["clip_frac"] += clip["clip_frac"] * sampled
         acc["approx_kl"] += clip["approx_kl"] * sampled
-        if self.first:  # before any update: how far the trainer's log-probs are from the sampler's
-            sel = mask > 0
-            acc["logprob_diff"] += float((lp - sampler_lp).abs()[sel].sum())
-            acc["logprob_kl"] += float(algos.kl_penalty(sampler_lp, lp, "k3", None)[sel].sum())
+        if self.first:  # before any update: the trainer's log-probs against the sampler's
+            lp_s, lp_t = sampler_lp[mask > 0], lp[mask > 0]  # the sampler's, the trainer's
+            acc["logprob_diff"] += float((lp_t - lp_s).abs().sum())
+            acc["logprob_kl"] += float(algos.kl_penalty(lp_s, lp_t, "k3", None).sum())
             acc["mismatch_tokens"] += sampled
 
     def metrics(self, run, n_steps: int, idle: int) -> dict:
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
         keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
         out = {k: tot[k] / n_steps for k in keys}
-        # the entropy of the rows forwarded: idle rows (train.idle_rows) add 0 to the loss, which
-        # is exact, but their entropy is not known
+        # the entropy of the rows forwarded (an idle row adds 0 to the loss, entropy unknown)
         out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
         out.update({k: tot[k] / max(tot["sampled"], 1) for k in ("clip_frac", "approx_kl")})
         # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)

@@ -1,13 +1,14 @@
-"""Client side of the env protocol (docs/environments.md): `EnvClient` for one instance, `EnvPool`
-for many. It plays this project's servers and AgentGym's own; each AgentGym dialect (`env_idx` ids,
-bare answers, `score` or `reward`, WebArena's terminated/truncated, errors sent as HTTP 200) is
-handled where it is read, with a comment.
+"""Client side of the env protocol (docs/environments.md): `EnvClient` for one instance,
+`EnvPool` for many. It plays this project's servers and AgentGym's own; each AgentGym
+dialect (`env_idx` ids, bare answers, `score` or `reward`, WebArena's terminated/truncated,
+errors sent as HTTP 200) is handled where it is read, with a comment.
 
-The contract (docs/reliability.md): every failure, a malformed answer included (a NaN or missing
-reward, a done of "false"), raises or returns an `EnvError`, never a reward of 0; the rollout drops
-such trajectories from the loss. Only calls that cannot change the game are retried (never
-`step`); a create's `request_key`, the same on each retry, makes a server that lost its answer give
-the same instance back; `EnvPool` replaces instances lost with their server at the next reset.
+The contract (docs/reliability.md): every failure, a malformed answer included (a NaN or
+missing reward, a done of "false"), raises or returns an `EnvError`, never a reward of 0;
+the rollout drops such trajectories from the loss. Only calls that cannot change the game
+are retried (never `step`); a create's `request_key`, the same on each retry, makes a server
+that lost its answer give the same instance back; `EnvPool` replaces instances lost with
+their server at the next reset.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import urllib3
 
 # ---------------------------------------------------------------- errors and results
 class EnvError(RuntimeError):
-    """A failure talking to an env server, never a game outcome. kind: "timeout" | "connection" |
-    "http" (a 4xx/5xx) | "env" (an error body) | "protocol" (a malformed answer)."""
+    """A failure talking to an env server, never a game outcome.
+    kind: "timeout" | "connection" | "http" (a 4xx/5xx) | "env" (an error body) | "protocol"
+    (a malformed answer)."""
 
     def __init__(self, kind: str, message: str, status: int | None = None):
         super().__init__(f"[{kind}{'' if status is None else f' {status}'}] {message}")
@@ -47,30 +49,31 @@ class EnvError(RuntimeError):
 @dataclass
 class Step:
     observation: str
-    reward: float  # `score` where the server sends one (BabyAI, SciWorld), else `reward`; its scale
+    # `score` where the server sends one (BabyAI, SciWorld), else `reward`; the game's scale
+    reward: float
     done: bool
-    raw: dict = field(default_factory=dict)  # the server's whole answer (info, step reward, ...)
+    raw: dict = field(default_factory=dict)  # the whole answer (info, step reward, ...)
 
 
 # ---------------------------------------------------------------- HTTP on urllib3
 MAX_IDLE_S = 1.0  # a kept connection unused for longer is not reused (see Transport)
-# The most an answer may hold (a /batch answer: this per op). Observations run from a few hundred
-# bytes (TextCraft) to a few hundred KB (a WebArena page); far more is a server gone wrong, which
-# would cost seconds and gigabytes to tokenize and log. The default of every Transport made after
-# `cap_answers` (the scripts' --env-max-answer-mb) changes it.
+# The most an answer may hold (a /batch answer: this per op). Observations run from a few
+# hundred bytes (TextCraft) to a few hundred KB (a WebArena page); far more is a server gone
+# wrong, which would cost seconds and gigabytes to tokenize and log. The default of every
+# Transport made after `cap_answers` (the scripts' --env-max-answer-mb) changes it.
 MAX_ANSWER_BYTES = 4 * 2**20
 _lock = threading.Lock()
-_calls: dict[int, list] = {}  # thread id -> [deadline, the socket it waits on, its connection]
+_calls: dict[int, list] = {}  # thread id -> [deadline, socket waited on, its connection]
 
 
 class _Watched:
-    """A urllib3 connection the watchdog may shut down past its call's deadline, and that the pool
-    takes for dropped once unused for MAX_IDLE_S."""
+    """A urllib3 connection the watchdog may shut down past its call's deadline, and that
+    the pool takes for dropped once unused for MAX_IDLE_S."""
 
     owner, sent = None, -math.inf
 
     @property
-    def is_connected(self) -> bool:  # asked by the pool before it hands a kept connection out again
+    def is_connected(self) -> bool:  # asked before a kept connection is handed out again
         with _lock:  # taken over: the watchdog has shut it already (seen below) or never will
             self.owner = threading.get_ident()
         return time.monotonic() - self.sent < MAX_IDLE_S and super().is_connected
@@ -78,27 +81,28 @@ class _Watched:
     def request(self, *args, **kw):
         super().request(*args, **kw)
         self.sent = time.monotonic()
-        with _lock:  # the socket itself: an answer that closes the connection takes it from `sock`
+        with _lock:  # the socket itself: a closing answer takes it from `sock`
             self.owner = threading.get_ident()
             if self.owner in _calls:
                 _calls[self.owner][1:] = [self.sock, self]
 
 
 def _watch() -> None:
-    """Shut down the socket of each call past its deadline, which ends the read it waits in."""
+    """Shut down the socket of each call past its deadline: the read it waits in ends."""
     while True:
         time.sleep(0.05)
         with _lock:
             for owner, call in _calls.items():
-                if call[0] < time.monotonic() and call[1] is not None and call[2].owner == owner:
+                deadline, sock, conn = call
+                if deadline < time.monotonic() and sock is not None and conn.owner == owner:
                     with contextlib.suppress(OSError):
-                        call[1].shutdown(socket.SHUT_RDWR)
-                    call[1] = None
+                        sock.shutdown(socket.SHUT_RDWR)
+                    call[1] = None  # shut: not again
 
 
 def cap_answers(mb: float) -> None:
-    """--env-max-answer-mb: the answer cap of the env clients this process makes from now on (the
-    scripts make their pools from an address alone, in rollout.py and trainer/setup.py)."""
+    """--env-max-answer-mb: the answer cap of the env clients this process makes from now
+    on (the scripts make their pools from an address alone: rollout.py, trainer/setup.py)."""
     global MAX_ANSWER_BYTES
     MAX_ANSWER_BYTES = max(1, int(mb * 2**20))
 
@@ -109,18 +113,20 @@ def _start_watchdog(pid: int) -> None:  # one per process: a forked child starts
 
 
 class Transport:
-    """JSON over HTTP to one server, on urllib3's thread-safe keep-alive pool (it copes with every
-    stack in tests/test_server_stacks.py, and resends nothing unless told to). A `step` is never
-    retried, so it must not meet a connection the server closed while idle (uvicorn after 5 s,
-    gunicorn after 2 s): a kept one is reused only while unused for under MAX_IDLE_S. `timeout`
-    bounds each attempt as a whole (urllib3's, each read): a watchdog shuts down the socket of a
-    call past its deadline, however slowly its answer trickles in."""
+    """JSON over HTTP to one server, on urllib3's thread-safe keep-alive pool (it copes with
+    every stack in tests/test_server_stacks.py, and resends nothing unless told to). A
+    `step` is never retried, so it must not meet a connection the server closed while idle
+    (uvicorn after 5 s, gunicorn after 2 s): a kept one is reused only while unused for
+    under MAX_IDLE_S. `timeout` bounds each attempt as a whole (urllib3's, each read): a
+    watchdog shuts down the socket of a call past its deadline, however slowly its answer
+    trickles in."""
 
     def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 2,
                  max_answer_bytes: int | None = None):  # None: MAX_ANSWER_BYTES
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"bad env server address {base_url!r}; expected http://HOST:PORT")
+            raise ValueError(f"bad env server address {base_url!r}; "
+                             "expected http://HOST:PORT")
         self.base_url, self.prefix = f"{u.scheme}://{u.netloc}", u.path.rstrip("/")
         self.timeout, self.retries = timeout, retries  # timeout: each attempt's, as a whole
         self.max_answer_bytes = max_answer_bytes or MAX_ANSWER_BYTES
@@ -128,9 +134,10 @@ class Transport:
         _start_watchdog(os.getpid())
 
     def _new_pool(self):
-        # maxsize: connections kept for reuse, one per thread that calls at once (EnvPool's workers)
+        # maxsize: connections kept for reuse, one per concurrent caller (EnvPool's workers)
         pool = urllib3.connection_from_url(self.base_url, maxsize=256, retries=False)
-        pool.ConnectionCls = type("Connection", (_Watched, pool.ConnectionCls), {})  # HTTP or HTTPS
+        # urllib3's HTTP or HTTPS connection, watched
+        pool.ConnectionCls = type("Connection", (_Watched, pool.ConnectionCls), {})
         return pool
 
     def close(self) -> None:  # later requests open new connections
@@ -160,8 +167,8 @@ class Transport:
                 del _calls[me]
 
     def _failure(self, method: str, path: str, e: Exception, deadline: float) -> EnvError:
-        """An attempt urllib3 or its socket gave up: "timeout" (urllib3's, or past the deadline,
-        where the watchdog shut the socket down) or "connection"."""
+        """An attempt urllib3 or its socket gave up: "timeout" (urllib3's, or past the
+        deadline, where the watchdog shut the socket down) or "connection"."""
         timed_out = isinstance(e, urllib3.exceptions.TimeoutError) and not isinstance(
             e, urllib3.exceptions.NewConnectionError)  # (a refusal, despite its class)
         if timed_out or time.monotonic() >= deadline:
@@ -170,16 +177,16 @@ class Transport:
         return EnvError("connection", f"{method} {path} to {self.base_url}: "
                                       f"{type(e).__name__}: {e}")
 
-    def request(self, method: str, path: str, payload=None, retry: bool = False, answers: int = 1):
-        """The decoded JSON answer, or EnvError; `retry`: `retries` more attempts (never a step's);
-        `answers`: the ops a /batch answer holds."""
+    def request(self, method: str, path: str, payload=None, retry: bool = False,
+                answers: int = 1):
+        """The answer's JSON, or EnvError; `retry` (never a step's): `retries` more tries."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        cap = self.max_answer_bytes * answers  # answers: the ops a /batch answer holds
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             try:
-                sent = self._send(method, path, body, headers, self.max_answer_bytes * answers)
-                return _decode(method, path, *sent)
+                return _decode(method, path, *self._send(method, path, body, headers, cap))
             except EnvError as e:
                 if e.kind not in ("timeout", "connection") or attempt + 1 == attempts:
                     raise
@@ -189,7 +196,7 @@ class Transport:
 def _decode(method: str, path: str, status: int, data: bytes):
     try:
         out = json.loads(data) if data else None
-    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than json's stack
+    except (ValueError, RecursionError) as e:  # RecursionError: deeper than json's stack
         raise _refusal(method, path, status, data, e) from None
     if status != 200 or isinstance(out, dict) and out.get("error") is not None:
         raise _refusal(method, path, status, data, out)
@@ -204,20 +211,21 @@ def _refusal(method: str, path: str, status: int, data: bytes, out) -> EnvError:
                         f"{method} {path}: answer is {what}: {data[:200]!r}", status)
     if status != 200:
         msg = out.get("error") if isinstance(out, dict) else None
-        return EnvError("http", f"{method} {path}: {msg if msg else repr(data[:200])}", status)
+        detail = msg if msg else repr(data[:200])
+        return EnvError("http", f"{method} {path}: {detail}", status)
     return EnvError("env", f"{method} {path}: {out['error']}")  # AgentGym's HTTP-200 error
 
 
 def _number(raw: dict, key: str) -> float:
-    """raw[key] as a finite float, not a bool (json.loads reads NaN, Infinity, ints past 1e308)."""
+    """raw[key] as a finite float; a bool, NaN, Infinity or an int past 1e308 is malformed."""
     v = raw[key]
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max:
+    if type(v) is not bool and isinstance(v, (int, float)) and abs(v) <= sys.float_info.max:
         return float(v)
     raise EnvError("protocol", f"step answer with {key}={v!r}: not a finite number")
 
 
 def _flag(raw: dict, key: str) -> bool:
-    """raw[key] as a bool, or the int 0 or 1; anything else ("false") is malformed, not a guess."""
+    """raw[key] as a bool, or the int 0 or 1; all else ("false") is malformed, not a guess."""
     v = raw.get(key, False)
     if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
         return bool(v)
@@ -242,14 +250,14 @@ def _step_from(raw) -> Step:
 
 def _obs_from(raw) -> str:
     if isinstance(raw, dict) and "observation" in raw:
-        task = raw.get("task_description")  # SciWorld's /reset: the task, shown once, then the view
+        task = raw.get("task_description")  # SciWorld's /reset: the task once, then the view
         raw = str(raw["observation"]) if task is None else f"{task}\n{raw['observation']}"
     return _text(raw if isinstance(raw, str) else json.dumps(raw))
 
 
 def _text(x) -> str:
-    """An observation as text a tokenizer takes: JSON may carry lone surrogates ("\\ud800"), which
-    no UTF-8 text holds and tokenizers refuse; each becomes "?"."""
+    """An observation as text a tokenizer takes: JSON may carry lone surrogates ("\\ud800"),
+    which no UTF-8 text holds and tokenizers refuse; each becomes "?"."""
     x = str(x)
     return x if x.isascii() else x.encode("utf-8", "replace").decode("utf-8")
 
@@ -262,12 +270,13 @@ class EnvClient:
                  max_answer_bytes: int | None = None):  # None: MAX_ANSWER_BYTES
         self.http = (base_url if isinstance(base_url, Transport)
                      else Transport(base_url, timeout, retries, max_answer_bytes))
-        # "id": 0 is the task AgentGym's SearchQA server requires at create; the others ignore it
-        created = self.http.request("POST", "/create", {"request_key": str(uuid.uuid4()), "id": 0},
-                                    retry=True)
+        # "id": 0 is the task AgentGym's SearchQA server requires at create; others ignore it
+        payload = {"request_key": str(uuid.uuid4()), "id": 0}
+        created = self.http.request("POST", "/create", payload, retry=True)
         self.id_key, self.id = _read_id(created)
-        # AgentGym's WebArena server (`{"env_idx"}` from /create) answers /reset with the bare page;
-        # the agent's observation (objective, URL, tree, last action) is what /observation renders.
+        # AgentGym's WebArena server (`{"env_idx"}` from /create) answers /reset with the
+        # bare page; the agent's observation (objective, URL, tree, last action) is what
+        # /observation renders.
         self.observe_after_reset = isinstance(created, dict) and "env_idx" in created
         self.closed = False
 
@@ -276,33 +285,41 @@ class EnvClient:
 
     def reset(self, item_id: int) -> str:
         body = {"data_idx": item_id}
-        if self.id_key == "env_idx":  # AgentGym's SearchQA reads the task as `id`, WebArena `idx`
+        # AgentGym's servers: SearchQA reads the task as `id`, WebArena as `idx`
+        if self.id_key == "env_idx":
             body.update(id=item_id, idx=item_id, seed=0)
         raw = self.http.request("POST", "/reset", self._with_id(body), retry=True)
-        if isinstance(raw, dict) and raw.get("observation") == "TimeoutError":  # WebArena: no page
-            raise EnvError("env", f"POST /reset: task {item_id} timed out loading its start page")
+        # WebArena's answer when the task's start page did not load
+        if isinstance(raw, dict) and raw.get("observation") == "TimeoutError":
+            raise EnvError("env",
+                           f"POST /reset: task {item_id} timed out loading its start page")
+        # the observation, bare (a str: AgentGym's SearchQA) or in a dict
         answered = isinstance(raw, str) or isinstance(raw, dict) and "observation" in raw
-        if answered and not self.observe_after_reset:  # (a str: AgentGym's SearchQA's observation)
+        if answered and not self.observe_after_reset:
             return _obs_from(raw)
         return self.observation()
 
     def step(self, action: str) -> Step:
-        return _step_from(self.http.request("POST", "/step", self._with_id({"action": action})))
+        raw = self.http.request("POST", "/step", self._with_id({"action": action}))
+        return _step_from(raw)
+
+    def _get(self, route: str):
+        """GET /route about this instance: it changes nothing, so it is retried."""
+        return self.http.request("GET", f"/{route}?{self.id_key}={self.id}", retry=True)
 
     def observation(self) -> str:
-        raw = self.http.request("GET", f"/observation?{self.id_key}={self.id}", retry=True)
-        return _obs_from(raw)
+        return _obs_from(self._get("observation"))
 
     def available_actions(self) -> list[str]:
-        raw = self.http.request("GET", f"/available_actions?{self.id_key}={self.id}", retry=True)
+        raw = self._get("available_actions")
         return list(raw) if isinstance(raw, list) else raw
 
     def detail(self) -> dict:
-        return self.http.request("GET", f"/detail?{self.id_key}={self.id}", retry=True)
+        return self._get("detail")
 
     def expert_action(self) -> str | None:
         """The env's expert's next action (this project's servers only)."""
-        return self.http.request("GET", f"/expert_action?{self.id_key}={self.id}", retry=True)
+        return self._get("expert_action")
 
     def close(self) -> None:
         if not self.closed:
@@ -321,12 +338,14 @@ def _read_id(created) -> tuple[str, int]:
         for key in ("id", "env_idx"):
             if isinstance(created.get(key), int):
                 return key, created[key]
-    raise EnvError("protocol", f"/create answered without an instance id: {str(created)[:200]}")
+    raise EnvError("protocol",
+                   f"/create answered without an instance id: {str(created)[:200]}")
 
 
 # ---------------------------------------------------------------- reward scales
-# What a game's step value (Step.reward) is divided by for the trainer's scale, where success = 1:
-# SciWorld scores 0-100 (negative after a fatal mistake), as AgentGym's server does; the rest 0-1.
+# What a game's step value (Step.reward) is divided by for the trainer's scale, where
+# success = 1: SciWorld scores 0-100 (negative after a fatal mistake), as AgentGym's server
+# does; the rest 0-1.
 SCORE_SCALES = {"sciworld": 100.0}
 
 
@@ -344,9 +363,9 @@ def _guarded(fn, x):
 
 
 class EnvPool:
-    """`size` instances on one server, reset and stepped together: through `/batch` where the
-    server has it, else one request per instance from `workers` threads. A failure comes back as
-    that instance's `EnvError` in the result list; it never raises or stops the others."""
+    """`size` instances on one server, reset and stepped together: through `/batch` where
+    the server has it, else one request per instance from `workers` threads. A failure comes
+    back as that instance's `EnvError` in the result list: it never raises or stops others."""
 
     def __init__(self, base_url: str, size: int, timeout: float = 120.0, retries: int = 2,
                  workers: int = 32, use_batch: bool | None = None, batch_chunk: int = 64,
@@ -365,8 +384,9 @@ class EnvPool:
         self.clients = [m if isinstance(m, EnvClient) else None for m in made]
         if errors:
             self.close()
-            raise EnvError(errors[0].kind, f"could not create {len(errors)}/{size} instances: "
-                           f"{errors[0].message}", errors[0].status)
+            first = errors[0]
+            raise EnvError(first.kind, f"could not create {len(errors)}/{size} instances: "
+                           f"{first.message}", first.status)
 
     def _health(self):
         try:
@@ -378,27 +398,27 @@ class EnvPool:
         return list(self.executor.map(functools.partial(_guarded, fn), items))
 
     def _batch(self, ops: list[dict], parse) -> list:
-        """Send ops in chunks, in parallel; each op's answer read by `parse`, or its EnvError."""
+        """Ops in parallel chunks -> each op's answer read by `parse`, or its EnvError."""
         chunks = [ops[i:i + self.batch_chunk] for i in range(0, len(ops), self.batch_chunk)]
         retry = all(op["op"] != "step" for op in ops)
 
         def send(chunk):
+            n = len(chunk)
             try:
                 res = self.http.request("POST", "/batch", {"ops": chunk}, retry=retry,
-                                        answers=len(chunk))["results"]
-                if len(res) != len(chunk):
-                    raise EnvError("protocol", f"/batch answered {len(res)} results for "
-                                               f"{len(chunk)} ops")
+                                        answers=n)["results"]
+                if len(res) != n:
+                    raise EnvError("protocol", f"/batch answered {len(res)} results for {n} ops")
             except EnvError as e:
-                return [e] * len(chunk)
+                return [e] * n
             except (KeyError, TypeError):
-                return [EnvError("protocol", "/batch answer without a results list")] * len(chunk)
+                return [EnvError("protocol", "/batch answer without a results list")] * n
             return [EnvError("http", r["error"], r.get("status"))
                     if isinstance(r, dict) and "error" in r else _guarded(parse, r) for r in res]
         return [r for part in self.executor.map(send, chunks) for r in part]
 
     def reset(self, item_ids: list[int | None]) -> list[str | EnvError | None]:
-        """Reset instance i to task item_ids[i] (None: leave it alone) -> first observations."""
+        """Reset instance i to task item_ids[i] (None: untouched) -> first observations."""
         assert len(item_ids) == self.size, f"need {self.size} item ids, got {len(item_ids)}"
         out: list = [None] * self.size
         todo = [i for i, t in enumerate(item_ids) if t is not None]
@@ -411,9 +431,10 @@ class EnvPool:
         return out
 
     def _reset_anew(self, out: list, lost: list[int], item_ids) -> None:
-        """Reset's recovery: a new instance in each slot of `lost` (gone with its server, hung, or
-        never made), then its reset. A slot that held none (its last create failed) gets a
-        second round if the first ends lost too: its new instance may be lost as any other."""
+        """Reset's recovery: a new instance in each slot of `lost` (gone with its server,
+        hung, or never made), then its reset. A slot that held none (its last create failed)
+        gets a second round if the first ends lost too: its new instance may be lost as any
+        other."""
         empty = [i for i in lost if self.clients[i] is None]
         for _ in range(2):
             for i, made in zip(lost, self._map(self._renew, lost)):
@@ -436,8 +457,8 @@ class EnvPool:
 
     def _reset_now(self, todo: list[int], item_ids) -> list:
         if self.use_batch:
-            return self._batch([{"op": "reset", "id": self.clients[i].id, "data_idx": item_ids[i]}
-                                for i in todo], _obs_from)
+            return self._batch([{"op": "reset", "id": self.clients[i].id,
+                                 "data_idx": item_ids[i]} for i in todo], _obs_from)
         return self._map(lambda i: self.clients[i].reset(item_ids[i]), todo)
 
     def step(self, actions: list[str | None]) -> list[Step | EnvError | None]:
@@ -446,8 +467,8 @@ class EnvPool:
         out: list = [None] * self.size
         todo = self._live([i for i, a in enumerate(actions) if a is not None], out)
         if self.use_batch:
-            ops = [{"op": "step", "id": self.clients[i].id, "action": actions[i]} for i in todo]
-            res = self._batch(ops, _step_from)
+            res = self._batch([{"op": "step", "id": self.clients[i].id, "action": actions[i]}
+                               for i in todo], _step_from)
         else:
             res = self._map(lambda i: self.clients[i].step(actions[i]), todo)
         for i, r in zip(todo, res):
@@ -455,11 +476,11 @@ class EnvPool:
         return out
 
     def _live(self, todo: list[int], out: list) -> list[int]:
-        """The slots in todo that hold an instance; each other one's out says it holds none."""
+        """The slots in todo holding an instance; each other one's out says it holds none."""
         for i in todo:
             if self.clients[i] is None:
-                out[i] = EnvError("connection", f"pool slot {i} has no instance (lost with its "
-                                                "server)")
+                out[i] = EnvError("connection",
+                                  f"pool slot {i} has no instance (lost with its server)")
         return [i for i in todo if self.clients[i] is not None]
 
     def close(self) -> None:

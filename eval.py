@@ -1,19 +1,19 @@
-"""Avg@n / Pass@n evaluation of a policy on an environment's test tasks, overall and per category.
+"""Avg@n / Pass@n of a policy on an environment's test tasks, overall and per category.
 
-    python eval.py --env textcraft --checkpoint runs/textcraft__grpo__0__A   # a training run's
-    python eval.py --env babyai --model Qwen/Qwen2.5-3B-Instruct --n 8       # an HF model
+    python eval.py --env textcraft --checkpoint runs/textcraft__grpo__0__A  # a run's
+    python eval.py --env babyai --model Qwen/Qwen2.5-3B-Instruct --n 8      # an HF model
     python eval.py --env textcraft --endpoint http://host:8000/v1 --endpoint-model qwen
     python eval.py --compare start.json,end.json+end2.json    # two results, task by task
 
-Each task is played n times through rollout.rollout, the loop training uses. With s_ij the env's
-score of sample j of task i: Avg@n = mean_i(mean_j s_ij), as in AgentGym-RL, and Pass@n = the
-share of tasks with a success among their n samples, success being training's one rule
-(rollout.is_success: the env ended the episode with a score above 0), overall and per category.
-An infrastructure error is left out and counted, never 0.
-Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut (a
-crash, Ctrl-C: one line, exit 130), the same command continues from OUT.partial.jsonl. A game the
-calling script registered is served on a thread of it. `held_out` is train.py's evaluation during a
-run.
+Each task is played n times through rollout.rollout, the loop training uses. With s_ij the
+env's score of sample j of task i: Avg@n = mean_i(mean_j s_ij), as in AgentGym-RL, and
+Pass@n = the share of tasks with a success among their n samples, success being training's
+one rule (rollout.is_success: the env ended the episode with a score above 0), overall and
+per category. An infrastructure error is left out and counted, never 0.
+Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut
+(a crash, Ctrl-C: one line, exit 130), the same command continues from OUT.partial.jsonl. A
+game the calling script registered is served on a thread of it. `held_out` is train.py's
+evaluation during a run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: cli.cpu_threads
+# before torch loads OpenMP (cli.cpu_threads sets the thread count)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import sys
 import time
 
@@ -31,12 +32,12 @@ from tqdm import tqdm
 from env_client import EnvError
 from env_server import get_env_class
 from env_server.agents import served_here
-from models.loading import dtype_name, load_local  # the policy: a checkpoint, HF or built-in model
+from models.loading import dtype_name, load_local  # a checkpoint, HF or built-in model
 from rollout import (EnginePolicy, RolloutConfig, Trajectory, is_success, outcomes,
                      play_in_chunks, rollout, write_log)
-from tools import endpoint, eval_config, eval_outputs, paired  # the flags; features at named lines
+from tools import endpoint, eval_config, eval_outputs, paired  # the flags; named features
 from trainer import cli  # the env server (cli.serving_env), the task lists, the thread count
-from trainer.distributed import all_gather_list, global_rank, world_size  # torchrun, in held_out
+from trainer.distributed import all_gather_list, global_rank, world_size  # held_out's ranks
 
 
 def parse_args(argv=None) -> eval_config.EvalConfig:
@@ -55,7 +56,7 @@ def main(cfg: eval_config.EvalConfig) -> dict:
 
 
 def kept(cfg: eval_config.EvalConfig) -> str:
-    """What a cut evaluation leaves: the chunks of episodes that ended, in OUT.partial.jsonl."""
+    """What a cut evaluation leaves: the ended chunks of episodes, in OUT.partial.jsonl."""
     path = eval_outputs.partial_path(cfg.out)
     if not os.path.exists(path):
         return "no chunk of episodes had ended: nothing written"
@@ -66,35 +67,42 @@ def kept(cfg: eval_config.EvalConfig) -> str:
 
 def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     t0 = time.time()
-    listed = cli.task_lists(url, cfg.env, cfg.tasks_file, cfg.split, given=cfg.env_addr is not None)
+    served_elsewhere = cfg.env_addr is not None
+    listed = cli.task_lists(url, cfg.env, cfg.tasks_file, cfg.split, given=served_elsewhere)
     if cfg.split not in listed["splits"]:
         raise SystemExit(f"--split {cfg.split!r}: the server has {sorted(listed['splits'])}")
     tasks = list(listed["splits"][cfg.split])[: cfg.limit]
     category = categories_for(cfg.env, tasks, listed["categories"])
-    # Episode e plays task tasks[e // n] as its sample e % n; its group is the task's position.
+    # Episode e plays tasks[e // n] as its sample e % n; its group is the task's position.
     episodes = [(g, item, j) for g, item in enumerate(tasks) for j in range(cfg.n)]
     rcfg, generator, policy_dtype = RolloutConfig.of(cfg, cfg.max_turns), None, None
-    if cfg.endpoint:  # a chat endpoint's text replies; else a local model samples on its engine
+    # a chat endpoint's text replies; else a local model samples on its engine
+    if cfg.endpoint:
         policy, fmt, name, kind = endpoint.policy(cfg), None, endpoint.name(cfg), "endpoint"
     else:
         torch.set_num_threads(cli.cpu_threads(cfg.threads))
         engine, fmt, name, where, kind = load_local(cfg, len(episodes))
         generator = torch.Generator(where).manual_seed(cfg.seed)  # where the engine samples
-        policy, policy_dtype = EnginePolicy(engine, fmt, rcfg, generator), dtype_name(engine.dtype)
+        policy = EnginePolicy(engine, fmt, rcfg, generator)
+        policy_dtype = dtype_name(engine.dtype)
     print(f"eval {cfg.env}/{cfg.split}: {len(tasks)} tasks x n={cfg.n}, K={cfg.max_turns}, "
           f"temperature {cfg.temperature:g}, policy {name}")
     play = player(policy, cfg.env, rcfg, fmt, cfg.agent)
-    log = os.path.abspath(os.path.splitext(cfg.out)[0] + ".rollouts.jsonl")  # write_log: a folder
+    # absolute: write_log makes the file's folder, which a bare file name lacks
+    log = os.path.abspath(os.path.splitext(cfg.out)[0] + ".rollouts.jsonl")
+    items, groups = [e[1] for e in episodes], [e[0] for e in episodes]
     with eval_outputs.resumable(cfg, len(episodes), generator) as (played, chunk_done):
         trajs = played if len(played) == len(episodes) else play_in_chunks(
-            url, cfg.batch, [e[1] for e in episodes], [e[0] for e in episodes], play, desc="eval",
+            url, cfg.batch, items, groups, play, desc="eval",
             played=played, chunk_done=chunk_done)
         table = score_table([(item, category[item], j, t.reward, is_success(t))
                              for (_, item, j), t in zip(episodes, trajs)
                              if t.status != "env_error"])  # not scored 0
+        statuses = outcomes(trajs)["statuses"]
         result = {"config": dataclasses.asdict(cfg), "policy": name, "n": cfg.n,
-                  "n_scored": table.pop("n"), **table, "statuses": outcomes(trajs)["statuses"],
-                  **eval_outputs.details(tasks, category, episodes, trajs),  # excluded, per task
+                  "n_scored": table.pop("n"), **table, "statuses": statuses,
+                  # "excluded" (errors left out), "behaviour", "tasks" (per-task scores)
+                  **eval_outputs.details(tasks, category, episodes, trajs),
                   "time_s": time.time() - t0, "engine": kind,
                   "dtype": policy_dtype}  # what --dtype resolved to here; None: an endpoint's
         write_log(log, 0, cfg.max_turns, trajs)
@@ -103,7 +111,7 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     eval_outputs.print_table(result)  # per category, then statuses and the errors left out
     print(f"wrote {cfg.out} and {log}")
     if cfg.curriculum:
-        eval_outputs.write_curriculum(result, cfg.curriculum)  # the tasks solved only sometimes
+        eval_outputs.write_curriculum(result, cfg.curriculum)  # tasks solved only sometimes
     return result
 
 
@@ -116,8 +124,9 @@ def player(policy, env: str, rcfg: RolloutConfig, fmt, agent: str):  # for play_
 
 def score_table(rows) -> dict:
     """Avg@n, Pass@n from (item_id, category, sample_index, score, success) rows of scored
-    samples, n the most a task has (one with fewer, after errors, averages what it has) -> {"n",
-    "overall", "by_category": {category: ...}}, each {"tasks", "samples", "avg@n", "pass@n"}."""
+    samples, n the most a task has (one with fewer, after errors, averages what it has) ->
+    {"n", "overall", "by_category": {category: ...}}, each {"tasks", "samples", "avg@n",
+    "pass@n"}."""
     per_task: dict = {}
     for item_id, category, _sample, score, success in rows:
         per_task.setdefault((category, item_id), []).append((float(score), bool(success)))
@@ -134,9 +143,11 @@ def score_table(rows) -> dict:
                             for c in sorted({c for c, _ in per_task})}}
 
 
-def categories_for(env: str, item_ids: list[int], given: dict | None = None) -> dict[int, str]:
-    """task id -> category: from `given` (a --tasks-file's), else the env's own `task_category`
-    (TextCraft depth_k, BabyAI level); "all" where neither is (an env served elsewhere)."""
+def categories_for(env: str, item_ids: list[int],
+                   given: dict | None = None) -> dict[int, str]:
+    """task id -> category: from `given` (a --tasks-file's), else the env's own
+    `task_category` (TextCraft depth_k, BabyAI level); "all" where neither is (an env served
+    elsewhere)."""
     if given:
         return {i: given.get(i, "all") for i in item_ids}
     cls = get_env_class(env) if served_here(env) else None
@@ -147,17 +158,18 @@ def categories_for(env: str, item_ids: list[int], given: dict | None = None) -> 
 
 
 # ---------------------------------------------------------------- held out, during training
-def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig, step: int,
-             generator, batch: int = 64, timeout: float = 120.0, agent: str = "react",
-             categories: dict | None = None, samples: int = 1) -> dict:
-    """`samples` episodes per test task, sampled from `generator` (seeded alike each time): the
-    success rate over episodes, env errors left out and counted. Under torchrun each rank plays
-    every N-th task and returns the whole result."""
+def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig,
+             step: int, generator, batch: int = 64, timeout: float = 120.0,
+             agent: str = "react", categories: dict | None = None, samples: int = 1) -> dict:
+    """`samples` episodes per test task, sampled from `generator` (seeded alike each time):
+    the success rate over episodes, env errors left out and counted. Under torchrun each rank
+    plays every N-th task and returns the whole result."""
     t0 = time.time()
     mine = [i for i in test_ids[global_rank()::world_size()] for _ in range(samples)]
+    groups = [k // samples for k in range(len(mine))]  # a task's samples share its group
     play = player(EnginePolicy(engine, fmt, rcfg, generator), env, rcfg, fmt, agent)
     try:  # a rank without a task (more ranks than tasks) plays nothing
-        trajs = play_in_chunks(url, batch, mine, [k // samples for k in range(len(mine))], play,
+        trajs = play_in_chunks(url, batch, mine, groups, play,
                                desc=f"held-out eval @ step {step}", leave=False,
                                timeout=timeout) if mine else []
     except EnvError as e:  # no env server to play on: no result this time; training goes on
@@ -170,9 +182,11 @@ def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: Rollout
     cat = categories_for(env, test_ids, categories)
     by_category = {c: outcomes([t for t in kept if cat[t.item_id] == c])["success_rate"]
                    for c in sorted({cat[t.item_id] for t in kept})}
-    return {"step": step, "max_turns": rcfg.max_turns, "tasks": len({t.item_id for t in kept}),
-            "samples": samples, **{k: o[k] for k in ("episodes", "env_errors", "success_rate",
-                                                     "reward_mean", "turns_mean", "guess_share")},
+    reported = ("episodes", "env_errors", "success_rate", "reward_mean", "turns_mean",
+                "guess_share")
+    tasks = len({t.item_id for t in kept})
+    return {"step": step, "max_turns": rcfg.max_turns, "tasks": tasks,
+            "samples": samples, **{k: o[k] for k in reported},
             "by_category": by_category, "time_s": time.time() - t0}
 
 

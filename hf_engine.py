@@ -1,21 +1,21 @@
-"""HFEngine: the batched sampler `--engine hf` runs, on any transformers causal LM, CPU or GPU.
-The trainer's own model generates, so there are no weights to copy after an update. `Sample` is
-what every engine returns (engines.py picks one; vllm_engine.py has the other).
+"""HFEngine: `--engine hf`'s batched sampler, on any transformers causal LM, CPU or GPU.
+The trainer's own model generates: no weights to copy after an update. `Sample` is what
+every engine returns (engines.py picks one; vllm_engine.py has the other).
 
-One call: the prompts left-padded into one block and encoded at once (prefill), then one token per
-row per model call (decode) until every row has sampled a stop id. Two things make it fast on long
-multi-turn conversations without changing a sample (bench/turn_cache.py times each, off and on):
-- The cache kept across turns. A turn's prompt is the previous turn's prompt, its reply and the new
-  observation. With `reuse=True` (what rollout() asks for) each call keeps its rows, their ids and
-  the keys and values computed for them; the next call copies a kept row's keys and values into the
-  new cache at the columns of the prompt that extends it, and encodes only the columns past them.
-  The cache is transformers' StaticCache, allocated once per call and written in place (a growing
-  cache is re-concatenated at every token: more than the model costs on long prompts).
-- Finished rows dropped: once half of the rows being decoded have stopped, the others go on alone.
-Both write into the cache's layers, so the engine checks once, when built, that they are the ones
-each knows: a model transformers has no StaticCache for samples with a growing cache and neither;
-reuse needs plain StaticLayers (a sliding window's rolls its columns), compaction those or sliding
-windows (the layers of hybrid or indexed-attention models hold more than keys and values).
+One call: the prompts left-padded into one block, encoded at once (prefill), then one token
+per row per model call (decode) until every row has sampled a stop id. Two things speed up
+long multi-turn conversations without changing a sample (bench/turn_cache.py times each):
+- The cache kept across turns. A turn's prompt is the previous one, its reply and the new
+  observation. With `reuse=True` (rollout() asks for it) each call keeps its rows' ids and
+  keys and values; the next call copies a kept row's keys and values into the new cache at
+  the columns of the prompt that extends it, and encodes only the columns past them. It is
+  transformers' StaticCache, allocated once per call and written in place (a growing cache
+  is re-concatenated at every token: more than the model costs on long prompts).
+- Finished rows dropped: once half of the decoded rows have stopped, the others go on alone.
+Both write into the cache's layers, so the engine checks once, when built, that each knows
+the layers: a model transformers has no StaticCache for samples with a growing cache and
+neither; reuse needs plain StaticLayers (a sliding window's rolls its columns), compaction
+those or sliding windows (hybrid or indexed-attention layers hold more than keys, values).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class Sample:
 
 
 class HFEngine:
-    """Log-probs are those of the tempered distribution, log softmax(logits / temperature), before
-    top-p truncation: the trainer computes its own the same way, so the PPO ratio is 1 on-policy.
-    `static_cache=False` (a growing cache, so no reuse) and `compact=False` turn a feature off.
+    """Log-probs are the tempered distribution's, log softmax(logits / T), before top-p
+    truncation: the trainer computes its own alike, so the PPO ratio is 1 on-policy.
+    `static_cache=False` (a growing cache: no reuse) and `compact=False` turn a feature off.
     The methods are VLLMEngine's; `sync_weights` and `sleep` have nothing to copy or free."""
 
     def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True,
@@ -46,24 +46,24 @@ class HFEngine:
         self.model, self.pad_id, self.max_batch = model, pad_id, max_batch
         kinds = _static_layer_types(model) if static_cache else set()
         self.static_cache = bool(kinds)
-        # the features the cache's layers allow (module docstring); bench/turn_cache.py turns off
-        # reuse_ok or compact to time one
+        # the features the cache's layers allow (module docstring); bench/turn_cache.py turns
+        # reuse_ok or compact off to time one
         self.reuse_ok = kinds == {StaticLayer}
         self.compact = (compact and self.static_cache
                         and kinds <= {StaticLayer, StaticSlidingWindowLayer})
         # the LM head on the last position only, where the model allows it: a prompt's other
-        # logits are never read, and with a 49k-token vocabulary they cost a fifth of a prefill
+        # logits are never read (with a 49k-token vocabulary: a fifth of a prefill's cost)
         self.forward_kw = {}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             self.forward_kw["logits_to_keep"] = 1
         self._kept = None  # the previous call's rows, for reuse=True
-        # prompt tokens taken from the kept cache / encoded, and rows computed over all decoding
-        # steps (fewer than steps x rows with compaction): bench/turn_cache.py prints them
+        # prompt tokens taken from the kept cache / encoded, and rows computed over all decode
+        # steps (under steps x rows with compaction): bench/turn_cache.py prints them
         self.reused_tokens = self.encoded_tokens = self.decoded_rows = 0
 
     @property
     def dtype(self) -> torch.dtype:
-        """What it samples in: its model's (VLLMEngine's is the --dtype it was started with)."""
+        """What it samples in: its model's dtype (VLLMEngine's: the --dtype it was given)."""
         return next(self.model.parameters()).dtype
 
     def sync_weights(self, model) -> float:
@@ -83,12 +83,12 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                  temperature: float = 1.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
-        """Samples for `prompts`, `max_batch` rows per model call. With `reuse`, the rows are kept
-        for the next call (rollout() calls forget() at the end); kept rows are not used once the
-        weights have changed in place (an optimizer step bumps each tensor's version counter)."""
+                 generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
+        """Samples for `prompts`, `max_batch` rows per model call. `reuse` keeps the rows for
+        the next call (rollout() calls forget() at the end), unless the weights change."""
         reuse = reuse and self.reuse_ok
-        version = [p._version for p in self.model.parameters()]
+        version = [p._version for p in self.model.parameters()]  # an optimizer step bumps it
         kept, self._kept = self._kept, None
         if not reuse or (kept is not None and kept["version"] != version):
             kept = None
@@ -104,8 +104,8 @@ class HFEngine:
                 # row b's ids but the last sampled one went through the model: their keys and
                 # values are in `cache`, row b, from column starts[b] on
                 if reuse:
-                    rows += [{"ids": p + s.ids, "valid": len(p) + len(s.ids) - 1, "cache": cache,
-                              "b": b, "start": starts[b]}
+                    rows += [{"ids": p + s.ids, "valid": len(p) + len(s.ids) - 1,
+                              "cache": cache, "b": b, "start": starts[b]}
                              for b, (p, s) in enumerate(zip(chunk, got))]
         finally:
             self.model.train(was_training)
@@ -114,9 +114,8 @@ class HFEngine:
         return out
 
     def _batch(self, prompts, max_new_tokens, stop_ids, temperature, top_p, generator, kept):
-        """Prefill (from the first column the kept rows do not hold), then one model call per new
-        token until every row has sampled a stop id or max_new_tokens. Returns the samples, each
-        cut after its stop id, the cache, and the column each prompt starts at."""
+        """Prefill past the kept rows' columns, then a model call per token until all rows
+        stop or hit max_new_tokens -> (samples cut after their stop, cache, prompt starts)."""
         device = next(self.model.parameters()).device
         ids, attn, pos = left_pad(prompts, self.pad_id, device)
         B, L = ids.shape
@@ -125,8 +124,8 @@ class HFEngine:
         if self.static_cache:
             cache = StaticCache(config=self.model.config, max_cache_len=L + max_new_tokens)
         if kept is not None:
-            # encode columns [first, L) only; a row whose reuse ends before `first` re-encodes a
-            # few of its kept tokens, to the same keys and values
+            # encode columns [first, L) only; a row whose reuse ends before `first` encodes
+            # again a few of its kept tokens, to the same keys and values
             hits = _matches(prompts, kept["rows"])
             first = min(s + n for s, (_, n) in zip(starts, hits))
             if first > 0:
@@ -146,9 +145,10 @@ class HFEngine:
             logits = o.logits[:, -1].float()
             self.decoded_rows += logits.shape[0]
             if live is not None and live.rows is not None:
-                # rows that stopped were not computed: they draw from a uniform row, discarded,
-                # so that every row keeps the sampling stream it has without compaction
-                logits = logits.new_zeros(B, logits.shape[-1]).index_copy_(0, live.rows, logits)
+                # stopped rows were not computed: they draw from a uniform row, discarded, so
+                # that every row keeps the sampling stream it has without compaction
+                every_row = logits.new_zeros(B, logits.shape[-1])
+                logits = every_row.index_copy_(0, live.rows, logits)
             nxt, lp = sample(logits, temperature, top_p, generator)
             # a row that has stopped samples pad from then on (cut_at_stop drops it)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
@@ -211,18 +211,18 @@ def _static_layer_types(model) -> set[type]:
 
 
 class _Compacted:
-    """The rows of a decoding batch still computed, `rows` (None: all B). Once half of them have
-    stopped, `shrink` moves the others' keys and values into a smaller copy of each cache layer;
-    `restore` writes them back into the full layers, kept for the next turn (a stopped row's
-    columns after its stop keep what they held: nothing reads them)."""
+    """The rows of a decoding batch still computed, `rows` (None: all B). Once half of them
+    have stopped, `shrink` moves the others' keys and values into a smaller copy of each cache
+    layer; `restore` writes them back into the full layers, kept for the next turn (a stopped
+    row's columns after its stop keep what they held: nothing reads them)."""
 
     def __init__(self, cache, B: int):
         self.layers, self.B = cache.layers, B
         self.rows = self.full = None  # full: each layer's (keys, values) of all B rows
 
     def shrink(self, done, ids, pos, attn):
-        """The next model call's inputs, from `ids` for all B rows and `pos`, `attn` for the rows
-        computed so far."""
+        """The next model call's inputs, from `ids` for all B rows and `pos`, `attn` for the
+        rows computed so far."""
         if self.rows is None:
             rows = torch.arange(self.B, device=ids.device)
         else:
@@ -230,7 +230,7 @@ class _Compacted:
         keep = (~done[rows]).nonzero().squeeze(1)
         if len(keep) > len(rows) // 2:
             return ids, pos, attn
-        self.restore()  # the rows computed so far back into the full layers, then a new selection
+        self.restore()  # the computed rows back into the full layers, then a new selection
         self.full = [(x.keys, x.values) for x in self.layers]
         self.rows = rows[keep]
         for x, (k, v) in zip(self.layers, self.full):
@@ -248,7 +248,7 @@ class _Compacted:
 
 def left_pad(prompts: list[list[int]], pad_id: int, device):
     """(ids, attention mask, position ids), each (B, L): every prompt ends at column L - 1, so
-    every row's next token goes at column L; positions count from each prompt's first token."""
+    every row's next token goes at column L; positions count from each prompt's start."""
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -270,8 +270,8 @@ def cut_at_stop(new_ids: torch.Tensor, new_lps: torch.Tensor, stop_ids) -> list[
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float,
            generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from fp32 logits (B, V), and its log-prob under log softmax(logits / T),
-    before top-p truncation (the trainer's side computes the same); temperature 0 is greedy."""
+    """One token per row from fp32 logits (B, V) and its log-prob, log softmax(logits / T)
+    before top-p truncation (as the trainer computes it); temperature 0 is greedy."""
     if temperature <= 0:
         logp = torch.log_softmax(logits, -1)
         nxt = logp.argmax(-1)
@@ -280,7 +280,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
         probs = logp.exp()
         if top_p < 1.0:
             probs = _top_p_filter(probs, top_p)
-        # on the generator's device: a CPU one driving a GPU model draws on the CPU (same stream)
+        # drawn on the generator's device (a CPU one with a GPU model: the same stream)
         where = probs.device if generator is None else generator.device
         nxt = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1)
         nxt = nxt.to(probs.device)
@@ -288,7 +288,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches top_p (nucleus sampling)."""
+    """Nucleus sampling's filter: the fewest tokens whose probability mass reaches top_p."""
     sorted_p, idx = probs.sort(-1, descending=True)
     keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
     sorted_p = sorted_p * keep

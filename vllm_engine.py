@@ -99,8 +99,8 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # vLLM (0.32, torch 2.13) saves the compiled model as an AOT artifact that fails
             # to load on a CPU ("'function' object has no attribute 'finalize_loading'"), so
-            # every start compiled it again; torch.compile's own cache does load: SmolLM2
-            # starts in 47 s instead of 116 s (docs/speed.md).
+            # every start compiled it again; torch.compile's own cache does load (a SmolLM2
+            # start: 48 s from it, 150 s compiling again).
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             # Seeded requests sample with a generator of their own; when a prompt is prefilled
             # in chunks, vLLM rewinds that generator's offset for the token it discards, which

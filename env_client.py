@@ -408,13 +408,13 @@ class EnvPool:
                 res = self.http.request("POST", "/batch", {"ops": chunk}, retry=retry,
                                         answers=n)["results"]
                 if len(res) != n:
-                    raise EnvError("protocol", f"/batch answered {len(res)} results for {n} ops")
+                    raise EnvError("protocol", f"/batch: {len(res)} results for {n} ops")
             except EnvError as e:
                 return [e] * n
             except (KeyError, TypeError):
                 return [EnvError("protocol", "/batch answer without a results list")] * n
-            return [EnvError("http", r["error"], r.get("status"))
-                    if isinstance(r, dict) and "error" in r else _guarded(parse, r) for r in res]
+            return [_guarded(parse, r) if not (isinstance(r, dict) and "error" in r)
+                    else EnvError("http", r["error"], r.get("status")) for r in res]
         return [r for part in self.executor.map(send, chunks) for r in part]
 
     def reset(self, item_ids: list[int | None]) -> list[str | EnvError | None]:

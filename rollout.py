@@ -36,7 +36,7 @@ class ChatFormat:
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: use an instruct model's")
+            raise ValueError("no chat template in the tokenizer: use a chat/instruct model's")
         self.tok = tokenizer
         self._dialog = [{"role": "user", "content": "U"},
                         {"role": "assistant", "content": "A"}]
@@ -143,7 +143,7 @@ def is_success(t: Trajectory) -> bool:
 
 
 def informative_groups(trajs: list[Trajectory]) -> set[int]:
-    """Groups not all of one score (env errors left out): the only ones with a signal."""
+    """Groups not all of one score (env errors aside): the only ones with GRPO/RLOO signal."""
     scores: dict = {}
     for t in trajs:
         if t.status != "env_error":
@@ -154,8 +154,7 @@ def informative_groups(trajs: list[Trajectory]) -> set[int]:
 def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[str]:
     """GiGPO's anchor state of each sampled turn (algos.anchor_index): the user message before
     it, or `reported`, a key per turn from the env (none reports one yet). The sampled turns
-    are the last `t.turns` assistant messages: the opening may hold an unsampled one (the
-    ack)."""
+    are the last `t.turns` assistant messages: the opening may hold an unsampled ack."""
     if reported is not None:
         if len(reported) != t.turns:
             raise ValueError(f"{len(reported)} reported state keys for {t.turns} turns")
@@ -169,8 +168,7 @@ def turn_state_keys(t: Trajectory, reported: list[str] | None = None) -> list[st
 
 # The row against the template's rendering of its messages, from best to worst: the same ids;
 # the same text, another valid tokenisation of sampled text; other text (a template that
-# rewrites history, e.g. Qwen3 drops earlier <think> blocks). The row keeps what the policy
-# saw.
+# rewrites history, e.g. Qwen3 drops old <think> blocks). The row keeps what the policy saw.
 TEMPLATE_CHECKS = ("exact", "noncanonical", "mismatch")
 
 
@@ -221,11 +219,11 @@ class EnginePolicy:
                                        self.fmt.stop_ids, cfg.temperature, cfg.top_p,
                                        self.generator, reuse=True)
         return [Reply(self.fmt.decode(s.ids[:-1] if s.stopped else s.ids), s.ids, s.logprobs,
-                      s.stopped and s.ids[-1] == self.fmt.eot_id)  # eos: eot follows
+                      s.stopped and s.ids[-1] == self.fmt.eot_id)  # stopped by eos: eot added
                 for s in samples]
 
     def finish(self) -> None:
-        self.engine.forget()  # the conversations are over: free the cache kept for them
+        self.engine.forget()  # conversations over: free the cache kept for their next turn
 
 
 # ---------------------------------------------------------------- the turn loop
@@ -273,7 +271,7 @@ def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict
             t.status = "max_turns"
     if retry:
         _retry(pool, trajs, agents, retry, cfg)
-    for i in moves:  # after the resets: a retried attempt's reward is taken back here
+    for i in moves:  # after the resets: a retried attempt's reward is undone on its last turn
         t = trajs[i]
         if t.status != "env_error":
             t.turn_rewards.append(t.reward - sum(t.turn_rewards))
@@ -425,8 +423,8 @@ def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], pla
 def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, T) tensors of the rows (env errors left out by the caller): input_ids,
     attention_mask, position_ids, loss_mask, old_logprobs (the sampler's log-prob of token t
-    given tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0; else
-    -1); and (B,) rewards (outcomes) and group_ids."""
+    given tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0;
+    else -1); and (B,) rewards (outcomes) and group_ids."""
     T = max(len(t.token_ids) for t in trajs)
     B = len(trajs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -455,9 +453,9 @@ def length_buckets(lengths: list[int], max_tokens: int,
                    overhead_tokens: int | None = None) -> list[list[int]]:
     """Split row indices into micro-batches of similar length, each with rows x longest <=
     max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
-    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default max_tokens /
-    16). Rows sorted by length make each batch a contiguous run, so a short dynamic programme
-    finds the best cut points."""
+    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default
+    max_tokens / 16). Rows sorted by length make each batch a contiguous run, so a short
+    dynamic programme finds the best cut points."""
     overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     L = [lengths[i] for i in order]

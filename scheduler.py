@@ -52,7 +52,7 @@ class HorizonSchedule:
         return {"kind": self.kind, **self._config()}
 
     def load_state_dict(self, d: dict) -> None:
-        # A checkpoint of another schedule would change the experiment unseen: refuse it
+        # A checkpoint of another schedule would silently change the experiment: refuse it
         mine = self.state_dict()
         theirs = {k: d.get(k) for k in ("kind", *self._config())}
         if theirs != {k: mine[k] for k in theirs}:
@@ -109,8 +109,8 @@ class StepwiseHorizon(HorizonSchedule):
     def __init__(self, rounds: list[int], every: int):
         self.rounds = check_rounds(rounds)
         if int(every) < 1:
-            raise ValueError(f"--schedule-every must be a positive number of steps, got "
-                             f"{every}")
+            raise ValueError("--schedule-every must be a positive number of steps, "
+                             f"got {every}")
         self.every = int(every)
 
     def stage(self, step: int) -> int:
@@ -165,10 +165,10 @@ def stage_steps(spec: str, steps: int, every: int | None = None) -> int:
 
 
 def make_schedule(spec: str, every: int = 100, kind: str = "step", **kw) -> HorizonSchedule:
-    """Build a schedule from the CLI: `--schedule 15` is a fixed horizon, `--schedule
-    10,20,30` a staged one of kind `kind` (SCHEDULES): "step" advances every `every` steps
-    (ScalingInter-RL); a registered kind takes its own options as `**kw` (trainer/plateau.py's
-    "plateau": patience, min_delta, window)."""
+    """Build a schedule from the CLI: `--schedule 15` is a fixed horizon,
+    `--schedule 10,20,30` a staged one of kind `kind` (SCHEDULES): "step" advances every
+    `every` steps (ScalingInter-RL); a registered kind takes its own options as `**kw`
+    (trainer/plateau.py's "plateau": patience, min_delta, window)."""
     rounds = horizons(spec)
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule kind {kind!r}; "

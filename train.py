@@ -1,7 +1,7 @@
 """Multi-turn RL for LLM agents (AgentGym-RL), top to bottom: config, the loop, the update.
 
     python train.py --env textcraft --schedule 10,20,30       # ScalingInter-RL: 3 stages
-    python train.py --env babyai --schedule 15 --algo ppo      # a fixed horizon, PPO
+    python train.py --env babyai --schedule 15 --algo ppo      # fixed horizon, PPO + critic
     python train.py --env corridor --steps 40 --out runs/c --resume   # continue a run
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct
 
@@ -140,8 +140,8 @@ def set_lr(run, step: int) -> float:
 
 def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
     """The base rate's share at `step` of `steps`: 1, or with --lr-decay linear or cosine down
-    to 1/steps at the last step (never 0), times s / (warmup + 1) at a step s <=
-    --warmup-steps (Adam's first steps are full size whatever the gradient's scale)."""
+    to 1/steps at the last step (never 0), times s / (warmup + 1) at a step
+    s <= --warmup-steps (Adam's first steps are full size whatever the gradient's scale)."""
     low = 1.0 / steps
     ramp = step / (warmup + 1) if step <= warmup else 1.0
     if decay == "linear":
@@ -187,7 +187,7 @@ def advantages(run, rows: layer.Rows) -> tuple:
 def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length;
     under torchrun, one process's update on every rank's rows: each micro-batch's loss weighs
-    its share (`micro_weight`), and a rank short of micro-batches runs blank ones."""
+    its share (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP)."""
     cfg, world, B = run.cfg, ranks.world_size(), rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are
     mask = rows.batch["loss_mask"][:, 1:]  # (B, T-1)
@@ -280,7 +280,7 @@ def micro_weight(mask_micro, loss_norm: float, mode: str, world: int = 1) -> flo
 def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
               before: list) -> float | None:
     """How far the update moved the policy: k3 KL(before || after) per sampled token of the
-    first mini-batch's moving rows, both the trainer's (the sampler's gap: logprob_diff)."""
+    first mini-batch's moving rows (before: its first passes; after: one more forward)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
     for idx, lp_before in before:  # as many on every rank: FSDP's forward is a collective

@@ -1,7 +1,7 @@
 """torchrun plumbing for train.py: the process group, small collectives, which rows each rank
-plays, and `Precision`, FSDP's mixed precision on one process (bf16 compute, fp32 master weights).
+plays, and `Precision`, FSDP's mixed precision on one process (bf16 compute, fp32 masters).
 
-With one process every helper is a no-op (world size 1), so train.py reads the same either way.
+With one process every helper is a no-op (world size 1): train.py reads the same either way.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import algos
 
 
 # ---------------------------------------------------------------- distributed (torchrun)
-# `torchrun --nproc-per-node N train.py ...` starts N copies of this script with RANK, WORLD_SIZE
-# and LOCAL_RANK set: one per GPU (NCCL), or N CPU processes (gloo). All ranks draw the same tasks
-# from the shared data RNG and each plays its block of whole groups (rank_items) with its own
-# sampling seed and its own env server (started per rank: N servers step envs in parallel, where one
-# server process would hold all ranks' game steps on one GIL; with --env-addr all ranks share that
-# server). The trajectories are gathered to every rank for the metrics, which are therefore over all
-# of them. The policy, the reference model and the critic are sharded with FSDP2 (shard_model); a
-# single process keeps plain modules and every helper below is then a no-op.
+# `torchrun --nproc-per-node N train.py ...` starts N copies of this script with RANK,
+# WORLD_SIZE and LOCAL_RANK set: one per GPU (NCCL), or N CPU processes (gloo). All ranks
+# draw the same tasks from the shared data RNG and each plays its block of whole groups
+# (rank_items) with its own sampling seed and its own env server (started per rank: N servers
+# step envs in parallel, where one server process would hold all ranks' game steps on one
+# GIL; with --env-addr all ranks share that server). The trajectories are gathered to every
+# rank for the metrics, which are therefore over all of them. The policy, the reference model
+# and the critic are sharded with FSDP2 (shard_model); a single process keeps plain modules
+# and every helper below is then a no-op.
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, device); joins the process group when started by torchrun."""
     if device == "auto":
@@ -39,13 +40,13 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
         # NCCL would fail deep inside init_process_group on a GPU that is not there
         if local >= gpus:
-            raise SystemExit(f"torchrun: {int(os.environ.get('LOCAL_WORLD_SIZE', world))} "
-                             f"processes on this node but {gpus} GPU(s): use --nproc-per-node "
-                             f"{gpus} or less, or --device cpu (gloo)")
+            procs = int(os.environ.get('LOCAL_WORLD_SIZE', world))
+            raise SystemExit(f"torchrun: {procs} processes on this node but {gpus} GPU(s): "
+                             f"use --nproc-per-node {gpus} or less, or --device cpu (gloo)")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    # Ranks wait for each other at every gather: the slowest rank's rollout (or rank 0 building the
-    # warm start) must fit in the timeout.
+    # Ranks wait for each other at every gather: the slowest rank's rollout (or rank 0
+    # building the warm start) must fit in the timeout.
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(hours=2),
                             device_id=dev if dev.type == "cuda" else None)
@@ -83,7 +84,7 @@ def all_max(n: int) -> int:
 
 
 def all_gather_list(items: list) -> list:
-    """Every rank's list concatenated in rank order, on every rank (pickled: small objects only)."""
+    """Every rank's list joined in rank order, on every rank (pickled: small objects only)."""
     if world_size() == 1:
         return list(items)
     parts: list = [None] * world_size()
@@ -105,14 +106,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def rank_items(chosen: list[int], batch_size: int, group_size: int, rank: int = 0, world: int = 1):
-    """This rank's rows of a step: (item ids, group ids). Every rank gets the same `chosen` tasks;
-    slot g = 0..batch_size-1 is a group of group_size copies of task chosen[g] (repeating the list
-    when it has fewer than batch_size tasks), and rank r plays the r-th block of batch_size / world
-    slots. So a group (whose advantages are computed within it) never straddles two ranks, group ids
-    are global, and the ranks' rows in rank order are the rows one process plays."""
-    assert batch_size % world == 0, (f"batch_size {batch_size} is not divisible by the world "
-                                     f"size {world}")
+def rank_items(chosen: list[int], batch_size: int, group_size: int, rank: int = 0,
+               world: int = 1):
+    """This rank's rows of a step: (item ids, group ids). Every rank gets the same `chosen`
+    tasks; slot g = 0..batch_size-1 is a group of group_size copies of chosen[g] (the list
+    repeated when shorter), and rank r plays the r-th block of batch_size / world slots. So a
+    group (its advantages computed within it) never straddles ranks, group ids are global,
+    and the ranks' rows in rank order are the rows one process plays."""
+    assert batch_size % world == 0, f"batch_size {batch_size} not divisible by {world} ranks"
     per = batch_size // world
     slots = range(rank * per, (rank + 1) * per)
     return ([chosen[g % len(chosen)] for g in slots for _ in range(group_size)],
@@ -121,9 +122,10 @@ def rank_items(chosen: list[int], batch_size: int, group_size: int, rank: int = 
 
 @contextlib.contextmanager
 def gathered(model):
-    """Every FSDP unit of `model` unsharded for the duration, for HF generate: each rank generates
-    alone, for as many forward passes as its own trajectories need, so the per-layer all-gathers of
-    a sharded forward would not match across ranks. The full weights are gathered once, together."""
+    """Every FSDP unit of `model` unsharded for the duration, for HF generate: each rank
+    generates alone, for as many forward passes as its own trajectories need, so the per-layer
+    all-gathers of a sharded forward would not match across ranks. The full weights are
+    gathered once, together."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -155,18 +157,19 @@ def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) * scale * m
 
 
-# ---------------------------------------------------------------- mixed precision, one process
+# ------------------------------------------------------------ mixed precision, one process
 class Precision:
     """fp32 master weights and the copy that computes.
 
-    With `dtype` float32 the master computes itself (`model` is `master`) and every method is a
-    no-op. With bf16, `model` is a bf16 copy: the forward, the backward and generation run on it
-    (activations, KV cache and gradients in bf16; log-softmax and losses in fp32, as token_logprobs
-    and the engine do), while the optimizer, gradient clipping and checkpoints use the fp32
-    `master`: bf16 weights would round most small updates away. After each backward `collect_grads`
-    adds the copy's gradients into the master's (in fp32, so micro-batches accumulate without bf16
-    rounding); after each optimizer step `sync` rounds the master into the copy. This is FSDP's
-    mixed precision (param_dtype bf16, fp32 shards and optimizer) on one process."""
+    With `dtype` float32 the master computes itself (`model` is `master`) and every method is
+    a no-op. With bf16, `model` is a bf16 copy: the forward, the backward and generation run
+    on it (activations, KV cache and gradients in bf16; log-softmax and losses in fp32, as
+    token_logprobs and the engine do), while the optimizer, gradient clipping and checkpoints
+    use the fp32 `master`: bf16 weights would round most small updates away. After each
+    backward `collect_grads` adds the copy's gradients into the master's (in fp32, so
+    micro-batches accumulate without bf16 rounding); after each optimizer step `sync` rounds
+    the master into the copy. This is FSDP's mixed precision (param_dtype bf16, fp32 shards
+    and optimizer) on one process."""
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype = torch.float32):
         self.master, self.dtype = master, dtype

@@ -46,7 +46,8 @@ from trainer.distributed import (Precision, all_gather_list, all_max, all_sum, g
 @contextlib.contextmanager
 def generating(run):
     """The engine ready to sample: vLLM awake (weights, KV cache on the GPU), then asleep,
-    leaving the memory to the update; under torchrun HF samples from gathered weights."""
+    leaving the memory to the update; under torchrun HF samples from gathered weights (each
+    rank generates alone: distributed.gathered)."""
     run.engine.wake_up()
     try:
         sharded = world_size() > 1 and isinstance(run.engine, HFEngine)  # under FSDP
@@ -67,7 +68,7 @@ def log_rollout(run, step: int, K: int, played: list[Trajectory], m: dict, secon
 
 
 def rollout_metrics(trajs: list[Trajectory], K: int) -> dict:
-    """The step's `outcomes` (statuses as status_*), template checks over all of them."""
+    """The step's `outcomes` (statuses as status_*), template checks; speed: log_rollout."""
     o, kept = outcomes(trajs), [t for t in trajs if t.status != "env_error"]
     groups = {t.group for t in kept}
     means = {k: o[k] for k in ("reward_mean", "success_rate", "turns_mean")}
@@ -97,7 +98,7 @@ class Run:
     schedule: object
     data_rng: random.Random  # the same on every rank: all ranks draw the same tasks
     sample_gen: torch.Generator  # this rank's sampling stream
-    update_gen: torch.Generator  # the update's shuffle (vLLM's CPU sampler draws the global)
+    update_gen: torch.Generator  # the update's shuffle (vLLM's CPU sampler: the global RNG)
     pool: EnvPool
     train_ids: list[int]
     test_ids: list[int]
@@ -106,7 +107,7 @@ class Run:
     update_threads: int  # and during the update, which makes no env call
     start: int = 1  # the first step to play (after a checkpoint's)
     evals: list = dataclasses.field(default_factory=list)  # the held-out evaluations so far
-    safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, with the weights as is
+    safe: tuple = (0, None)  # (step, its snapshot): what a stop saves, weights as they are
     saved: int = 0  # the step of the checkpoint on disk
     lr_scale: float = 1.0  # halved by the --max-update-kl guard
     reporter: object = None  # report.Reporter (rank 0; --report-to)
@@ -171,7 +172,7 @@ class Run:
         return rank_items(chosen, cfg.batch_size, cfg.group_size, global_rank(), world_size())
 
     def progress(self, K: int):
-        """The rollout's progress callback: the turn and the episodes ended, on the bar."""
+        """The rollout's progress callback: the turn, how many episodes ended, on the bar."""
         extra = [f"resample {r}" for r in range(1, self.cfg.max_resample + 1)]
         rounds = iter(["rollout"] + extra)
         state = {}
@@ -233,7 +234,7 @@ def wait_for_env(server, url: str, wait_s: float) -> None:
             return
         except EnvError as e:
             if e.kind not in ("connection", "timeout"):
-                return  # it answered (AgentGym's answer the health check in plain text)
+                return  # it answered (AgentGym servers answer the health check in plain text)
             if time.time() > deadline:
                 tqdm.write(f"the env server at {url} has not answered for {wait_s:g} s: {e}")
                 return
@@ -246,8 +247,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def evaluate(run: Run, step: int) -> None:
-    """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks; rank
-    0 writes."""
+    """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks;
+    rank 0 writes."""
     cfg = run.cfg
     if not (cfg.eval_every and run.test_ids):
         return
@@ -368,9 +369,8 @@ SKIP_IDLE = True
 
 
 class Rows:
-    """A step's trajectories as a padded batch on the device (plus, under torchrun, one blank
-    row at index B), and their micro-batches of similar length (at most --micro-batch-tokens
-    each)."""
+    """A step's trajectories as a padded batch on the device (under torchrun, plus a blank row
+    at index B), and their micro-batches of similar length, each <= --micro-batch-tokens."""
 
     def __init__(self, run, trajs: list[Trajectory]):
         self.B, self.world = len(trajs), world_size()
@@ -408,19 +408,18 @@ class Rows:
 def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
     """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO, a group
     whose outcomes tie) and the loss has no KL, entropy or value term. Never forwarded, they
-    still count in the loss denominators: the update is the one computing them (grad 0)."""
+    still count in the loss denominators: the update equals one computing them (grad 0)."""
     cfg = run.cfg
     if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
         return set()
-    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass, not one a row
+    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass, not one per row
     return {i for i, x in enumerate(signal) if x == 0}
 
 
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
     global loss (so their total is that loss), clip statistics and sampler/trainer mismatch
-    per sampled token; the first mini-batch's log-probs before any optimizer step, for
-    update_kl."""
+    per sampled token; the first mini-batch's log-probs before any update, for update_kl."""
 
     KEYS = ("loss", "entropy", "kl", "value_loss", "clip_frac", "approx_kl", "sampled",
             "logprob_diff", "logprob_kl", "mismatch_tokens", "padded", "real", "share")
@@ -431,7 +430,7 @@ class UpdateStats:
 
     def add(self, rows: Rows, idx, share, terms: dict, clip: dict, lp, mask, sampler_lp):
         """A micro-batch (rows `idx`): its loss `terms` (None: not in the loss) by its `share`
-        of the loss, the clipping statistics, its log-probs `lp` against the sampler's."""
+        of the global loss, the clip statistics, its log-probs `lp` against the sampler's."""
         acc = self.acc
         for k, value in terms.items():
             if value is not None:
@@ -457,7 +456,7 @@ class UpdateStats:
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
         keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
         out = {k: tot[k] / n_steps for k in keys}
-        # the entropy of the rows forwarded (an idle row adds 0 to the loss, entropy unknown)
+        # the entropy of the rows forwarded (idle rows: 0 in the loss, exact; entropy unknown)
         out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
         out.update({k: tot[k] / max(tot["sampled"], 1) for k in ("clip_frac", "approx_kl")})
         # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)

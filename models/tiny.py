@@ -1,12 +1,12 @@
 """A tiny chat model the project builds offline: a byte-level BPE tokenizer trained on the
-environments' own text, a ChatML chat template, and a small Llama-architecture causal LM with random
-weights.
+environments' own text, a ChatML chat template, and a small Llama-architecture causal LM with
+random weights.
 
     python tiny_model.py OUT_DIR [--layers 4 --hidden 256 --vocab 2048]
 
 The result is an ordinary Hugging Face folder: `AutoTokenizer.from_pretrained(OUT_DIR)` and
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it, like any hub model. Random weights cannot
-play a game; train.py warm-starts it with supervised fine-tuning on expert trajectories
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` load it, like any hub model. Random weights
+cannot play a game; train.py warm-starts it with supervised fine-tuning on expert trajectories
 (recipes/sft.py).
 """
 
@@ -19,8 +19,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-# ChatML, the format of Qwen2.5 and many others: the turn ends with <|im_end|>, which the model
-# samples.
+# ChatML, the format of Qwen2.5 and many others: the turn ends with <|im_end|>, which the
+# model samples.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -31,8 +31,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def corpus(env_names=("textcraft", "babyai"), tasks_per_env: int = 200) -> list[str]:
-    """Text the tokenizer learns its merges from: every env's instructions, first observations, and
-    expert episodes (actions and observations) on a sample of tasks. Deterministic."""
+    """Text the tokenizer learns its merges from: every env's instructions, first
+    observations, and expert episodes (actions and observations) on a sample of tasks.
+    Deterministic."""
     from env_server import get_env_class
     from env_server.agents import ACK, react_reply, system_prompt
 
@@ -59,13 +60,14 @@ def corpus(env_names=("textcraft", "babyai"), tasks_per_env: int = 200) -> list[
 
 def build_tokenizer(texts: list[str], vocab_size: int = 2048,
                     kind: str = "bpe") -> PreTrainedTokenizerFast:
-    """kind "bpe": byte-level BPE, encodes any text. kind "words": one token per word, digit or
-    punctuation mark seen in `texts` ("[UNK]" for unseen words): a vocabulary so small that a random
-    policy already says valid words, which is what the Corridor learning test needs."""
+    """kind "bpe": byte-level BPE, encodes any text. kind "words": one token per word, digit
+    or punctuation mark seen in `texts` ("[UNK]" for unseen words): a vocabulary so small that
+    a random policy already says valid words, which is what the Corridor learning test
+    needs."""
     if kind == "words":
         tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-        # words, single punctuation marks and runs of whitespace are tokens: decoding joins them
-        # back into exactly the text that was encoded
+        # words, single punctuation marks and runs of whitespace are tokens: decoding joins
+        # them back into exactly the text that was encoded
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z]+|[0-9]|\s+|[^A-Za-z0-9\s]"),
                                                  behavior="isolated")
         tok.decoder = decoders.Fuse()
@@ -90,21 +92,24 @@ def build_tokenizer(texts: list[str], vocab_size: int = 2048,
                                    chat_template=CHAT_TEMPLATE, model_max_length=8192)
 
 
-def build_model(vocab_size: int, layers: int = 4, hidden: int = 256, heads: int = 4, seed: int = 0,
-                max_positions: int = 8192) -> LlamaForCausalLM:
-    # One key/value head per query head: with grouped-query attention transformers copies the whole
-    # KV cache out to every head at each decoding step on CPU, 5x slower at 3,000 cached tokens.
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 3,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=heads, max_position_embeddings=max_positions,
-                         tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
+def build_model(vocab_size: int, layers: int = 4, hidden: int = 256, heads: int = 4,
+                seed: int = 0, max_positions: int = 8192) -> LlamaForCausalLM:
+    # One key/value head per query head: with grouped-query attention transformers copies the
+    # whole KV cache out to every head at each decoding step on CPU, 5x slower at 3,000 cached
+    # tokens.
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden,
+                         intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True,
+                         rope_theta=10000.0, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
-def build(out_dir: str, env_names=("textcraft", "babyai"), vocab_size: int = 2048, layers: int = 4,
-          hidden: int = 256, heads: int = 4, seed: int = 0, tokenizer: str = "bpe") -> str:
+def build(out_dir: str, env_names=("textcraft", "babyai"), vocab_size: int = 2048,
+          layers: int = 4, hidden: int = 256, heads: int = 4, seed: int = 0,
+          tokenizer: str = "bpe") -> str:
     tok = build_tokenizer(corpus(env_names), vocab_size, tokenizer)
     model = build_model(len(tok), layers, hidden, heads, seed)
     model.config.eos_token_id = tok.eos_token_id
@@ -130,8 +135,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default="bpe", choices=["bpe", "words"])
     a = p.parse_args()
-    path = build(a.out_dir, tuple(a.envs.split(",")), a.vocab, a.layers, a.hidden, a.heads, a.seed,
-                 a.tokenizer)
+    envs = tuple(a.envs.split(","))
+    path = build(a.out_dir, envs, a.vocab, a.layers, a.hidden, a.heads, a.seed, a.tokenizer)
     n = sum(x.numel() for x in LlamaForCausalLM.from_pretrained(path).parameters())
     print(f"tiny model written to {path} ({n / 1e6:.2f}M parameters)")
 

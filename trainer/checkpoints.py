@@ -1,11 +1,12 @@
 """Saving, resuming and stopping a training run.
 
-A checkpoint is OUT/checkpoint: model/ (an HF folder of full weights: what eval.py, sft.py and vLLM
-load), optim.pt (each optimizer's state, and the critic's weights, as full tensors keyed by
-parameter name, so that a run saved by N ranks resumes on any number) and trainer_state.pt (step,
-schedule state, the data RNG, each rank's sampling and torch RNGs, the config). It is written to
-checkpoint.tmp, synced and swapped in, so that an interrupted write never replaces the last good
-one. (trainer/run.py's `Interrupts` turns Ctrl-C and SIGTERM into a stop that --resume continues.)
+A checkpoint is OUT/checkpoint: model/ (an HF folder of full weights: what eval.py, sft.py and
+vLLM load), optim.pt (each optimizer's state, and the critic's weights, as full tensors keyed
+by parameter name, so that a run saved by N ranks resumes on any number) and trainer_state.pt
+(step, schedule state, the data RNG, each rank's sampling and torch RNGs, the config). It is
+written to checkpoint.tmp, synced and swapped in, so that an interrupted write never replaces
+the last good one. (trainer/run.py's `Interrupts` turns Ctrl-C and SIGTERM into a stop that
+--resume continues.)
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from trainer.distributed import barrier, global_rank
 def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dict) -> None:
     """Collective under torchrun: every rank hands its shards to rank 0, which writes
     OUT/checkpoint.tmp and swaps it in, so an interrupted save never replaces a good one."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
 
     # whole tensors, on rank 0's CPU only
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -42,7 +43,8 @@ def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dic
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
         torch.save(big, os.path.join(tmp, "optim.pt"))
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        _fsync_tree(tmp)  # on disk before the swap: a power cut must not leave a renamed empty file
+        # on disk before the swap: a power cut must not leave a renamed empty file
+        _fsync_tree(tmp)
         if os.path.exists(final):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
@@ -53,7 +55,7 @@ def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dic
 
 
 def _fsync_tree(folder: str) -> None:
-    """Every file and folder of the tree on disk (a folder's fsync makes its entries durable)."""
+    """fsync each file and folder of the tree (a folder's fsync makes its entries durable)."""
     for root, _, files in os.walk(folder):
         for name in files:
             _fsync(os.path.join(root, name))
@@ -69,11 +71,11 @@ def _fsync(path: str) -> None:
 
 
 def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
-    """Optimizer states and critic weights from `ckpt` into the (sharded or plain) modules, whatever
-    the number of ranks that saved them; returns trainer_state.pt. The policy's weights are loaded
-    before, from ckpt/model."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    """Optimizer states and critic weights from `ckpt` into the (sharded or plain) modules,
+    whatever the number of ranks that saved them; returns trainer_state.pt. The policy's
+    weights are loaded before, from ckpt/model."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
     # each rank cuts its shards out of the full tensors
     full = StateDictOptions(full_state_dict=True)
@@ -81,8 +83,8 @@ def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
     big = load_data(os.path.join(ckpt, "optim.pt"), mmap=True)  # mmap: read, not copied
     owners = {"policy": model, "critic": critic}
     if set(optims) - set(big["optims"]) or (critic is not None and big.get("critic") is None):
-        raise ValueError(f"{ckpt} was saved without a critic, which this run's --algo trains: "
-                         "resume with the run's own --algo")
+        raise ValueError(f"{ckpt} was saved without a critic, which this run's --algo "
+                         "trains: resume with the run's own --algo")
     for k, o in optims.items():
         set_optimizer_state_dict(owners[k], o, big["optims"][k], options=full)
     if critic is not None:
@@ -91,32 +93,33 @@ def load_checkpoint(ckpt: str, model, critic, optims: dict) -> dict:
 
 
 def load_data(path: str, **kw):
-    """torch.load of plain data only (tensors, numbers, strings, lists, dicts): a pickle that would
-    build any other object, and so could run code, is refused with a ValueError that names the
-    file."""
+    """torch.load of plain data only (tensors, numbers, strings, lists, dicts): a pickle that
+    would build any other object, and so could run code, is refused with a ValueError that
+    names the file."""
     import pickle
 
     try:
         return torch.load(path, weights_only=True, **kw)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could run "
-                         f"code): {str(e).splitlines()[0]}") from None
+        raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could "
+                         f"run code): {str(e).splitlines()[0]}") from None
 
 
 def resume_command(out: str, script: str = "train.py") -> str:
-    """The command that continues the run in `out` (its config.json holds every other flag), as this
-    process was started: plain python, or torchrun with as many processes per node."""
+    """The command that continues the run in `out` (its config.json holds every other flag),
+    as this process was started: plain python, or torchrun with as many processes per node."""
     procs, world = os.environ.get("LOCAL_WORLD_SIZE"), int(os.environ.get("WORLD_SIZE", "1"))
     head = f"torchrun --nproc-per-node {procs}" if procs and world > 1 else "python"
     if procs and world > int(procs):  # several nodes: the same command on each, with its rank
-        head = (f"torchrun --nnodes {world // int(procs)} --nproc-per-node {procs} --node-rank "
-                f"R --master-addr {os.environ.get('MASTER_ADDR')} --master-port "
-                f"{os.environ.get('MASTER_PORT')}")
+        head = (f"torchrun --nnodes {world // int(procs)} --nproc-per-node {procs} "
+                f"--node-rank R --master-addr {os.environ.get('MASTER_ADDR')} "
+                f"--master-port {os.environ.get('MASTER_PORT')}")
     return f"{head} {script} --resume --out {shlex.quote(out)}"
 
 
 def find_checkpoint(out: str) -> str | None:
-    for name in ("checkpoint", "checkpoint.old"):  # .old survives a crash between the two renames
+    # .old survives a crash between the two renames
+    for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(out, name)
         if os.path.exists(os.path.join(path, "trainer_state.pt")):
             return path
@@ -124,8 +127,9 @@ def find_checkpoint(out: str) -> str | None:
 
 
 def read_log(path: str) -> list[dict]:
-    """The rows of a run's metrics.jsonl or eval.jsonl. A last line that does not parse is a write
-    a crash cut short: dropped, with a note; a bad line before it is a ValueError naming it."""
+    """The rows of a run's metrics.jsonl or eval.jsonl. A last line that does not parse is a
+    write a crash cut short: dropped, with a note; a bad line before it is a ValueError naming
+    it."""
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [(n, x) for n, x in enumerate(f, 1) if x.strip()]
     rows = []
@@ -137,15 +141,16 @@ def read_log(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{n} is not JSON ({e}): mend or remove that "
                                  "line") from None
             if global_rank() == 0:
-                print(f"{path}:{n}: a line cut short by a crash, dropped: {line.strip()[:60]}",
-                      flush=True)
+                print(f"{path}:{n}: a line cut short by a crash, dropped: "
+                      f"{line.strip()[:60]}", flush=True)
     return rows
 
 
 def previous_minutes(out: str, st: dict) -> float:
-    """The run's minutes before a resume from the checkpoint whose trainer state is `st`: those of
-    OUT/summary.json where the run ended at the checkpoint (its last save and summary counted),
-    else those the checkpoint holds (0 in one saved before checkpoints held them)."""
+    """The run's minutes before a resume from the checkpoint whose trainer state is `st`:
+    those of OUT/summary.json where the run ended at the checkpoint (its last save and summary
+    counted), else those the checkpoint holds (0 in one saved before checkpoints held
+    them)."""
     try:
         with open(os.path.join(out, "summary.json")) as f:
             summary = json.load(f)
@@ -158,8 +163,8 @@ def previous_minutes(out: str, st: dict) -> float:
 
 def truncate_logs(out: str, last_step: int) -> None:
     """Drop what a run wrote past its checkpoint, before it was stopped: metric and evaluation
-    lines (and a last line a crash cut short), and rollout logs (the resumed run plays those steps
-    again)."""
+    lines (and a last line a crash cut short), and rollout logs (the resumed run plays those
+    steps again)."""
     for name in ("metrics.jsonl", "eval.jsonl"):
         path = os.path.join(out, name)
         if os.path.exists(path):

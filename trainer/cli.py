@@ -1,10 +1,10 @@
-"""What the scripts' command lines share: a config dataclass becomes the parser, a run's config.json
-can be replayed, errors are one line, and the thread count is chosen in one place.
+"""What the scripts' command lines share: a config dataclass becomes the parser, a run's
+config.json can be replayed, errors are one line, and the thread count is chosen in one place.
 
     @dataclass
     class Config:
-        lr: float = arg(3e-4, "learning rate")        # -> --lr, with its default in -h
-    cfg = parse_config(Config, argv, __doc__)         # also takes --config FILE (flags override it)
+        lr: float = arg(3e-4, "learning rate")    # -> --lr, with its default in -h
+    cfg = parse_config(Config, argv, __doc__)     # also --config FILE, which flags override
 """
 
 from __future__ import annotations
@@ -29,39 +29,41 @@ def arg(default, help: str, group: str | None = None, **kw):
 
 @dataclasses.dataclass
 class Shared:
-    """The flags train.py, eval.py and recipes/sft.py share, declared once; each script's config
-    subclasses this and adds its own."""
-    env: str = arg("textcraft", "environment (env_server/agents.py's ENVS): textcraft, babyai, "
-                                "sciworld, searchqa, webarena, corridor")
+    """The flags train.py, eval.py and recipes/sft.py share, declared once; each script's
+    config subclasses this and adds its own."""
+    env: str = arg(
+        "textcraft", "environment (env_server/agents.py's ENVS): textcraft, babyai, "
+                     "sciworld, searchqa, webarena, corridor")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
     model: str | None = arg(None, "HF model folder, hub name or built-in name (smollm2-135m, "
                                   "smollm2-135m-sft); absent: the built-in tiny model, "
                                   "warm-started")
-    engine: str = arg("auto", "generation engine: HF (anywhere), vLLM (in process, CPU or GPU, "
-                              "where it is installed), or auto: vLLM for models of 10M parameters "
-                              "or more where it imports and one process generates (or on CUDA), "
-                              "else HF",
-                      choices=["auto", "hf", "vllm"])
+    engine: str = arg(
+        "auto", "generation engine: HF (anywhere), vLLM (in process, CPU or GPU, where it "
+                "is installed), or auto: vLLM for models of 10M parameters or more where "
+                "it imports and one process generates (or on CUDA), else HF",
+        choices=["auto", "hf", "vllm"])
     seed: int = arg(0, "seed of task order, noise and sampling")
-    temperature: float = arg(1.0, "sampling temperature (the paper trains and evaluates at 1)",
-                             group="generation")
+    temperature: float = arg(
+        1.0, "sampling temperature (the paper trains and evaluates at 1)", group="generation")
     max_new_tokens: int = arg(64, "tokens per assistant turn", group="generation")
-    vllm_eager: bool = arg(False, "vLLM: skip compiling the model (SmolLM2 on 2 cores: starts in "
-                                  "10 s instead of 70-90 s, decodes 20% slower)",
-                           group="generation")
-    dtype: str = arg("auto", "compute dtype (weights and optimizer stay fp32). auto: bf16 on CUDA "
-                             "and on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M "
-                             "parameters or more, else fp32 (the built-in tiny model)",
-                     choices=["auto", "fp32", "bf16"], group="run")
-    threads: int = arg(0, "CPU threads for torch per process (0: all cores but one while an env "
-                          "server works, all during an update; shared by the processes of this "
-                          "node). Cores shared with other runs: give each --threads 1 "
-                          "(cli.cpu_threads)", group="run")
+    vllm_eager: bool = arg(
+        False, "vLLM: skip compiling the model (SmolLM2 on 2 cores: starts in 10 s instead "
+               "of 70-90 s, decodes 20% slower)", group="generation")
+    dtype: str = arg(
+        "auto", "compute dtype (weights and optimizer stay fp32). auto: bf16 on CUDA and "
+                "on CPUs with native bf16 (AVX-512 BF16, AMX) for models of 10M parameters "
+                "or more, else fp32 (the built-in tiny model)",
+        choices=["auto", "fp32", "bf16"], group="run")
+    threads: int = arg(
+        0, "CPU threads for torch per process (0: all cores but one while an env server "
+           "works, all during an update; shared by the processes of this node). Cores "
+           "shared with other runs: give each --threads 1 (cli.cpu_threads)", group="run")
     cache_dir: str = arg(os.path.expanduser("~/.cache/agentgym-rl-mini"),
                          "where built-in models are built once", group="run")
-    env_max_answer_mb: float = arg(4.0, "MiB an env server's answer may hold (/batch: each op's); "
-                                        "a longer one is that trajectory's env error",
-                                   group="faults")
+    env_max_answer_mb: float = arg(
+        4.0, "MiB an env server's answer may hold (/batch: each op's); a longer one is "
+             "that trajectory's env error", group="faults")
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,9 +79,9 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written; each flag's help ends with its default, unless the help already
-    says what it is ("default: ...", "absent: ...") or there is none (None: the flag is simply not
-    given)."""
+    """The description as written; each flag's help ends with its default, unless the help
+    already says what it is ("default: ...", "absent: ...") or there is none (None: the flag
+    is simply not given)."""
 
     def _get_help_string(self, action):
         if action.default is None or any(w in (action.help or "").lower()
@@ -95,19 +97,22 @@ def _kind(f: dataclasses.Field):
 
 def config_parser(cls, description: str, prog: str | None = None) -> Parser:
     """A parser with one `--dashed-flag` per field of the dataclass `cls`: its type, default,
-    choices and help (a `%` in a help is printed as written); bools are `--flag` / `--no-flag`. Plus
-    `--config FILE`."""
+    choices and help (a `%` in a help is printed as written); bools are `--flag` /
+    `--no-flag`. Plus `--config FILE`."""
     p = Parser(description=description, prog=prog,
                usage="%(prog)s [-h] [--config FILE] [--flag VALUE ...]")
     p.add_argument("--config", metavar="FILE", default=None,
-                   help="a run's config.json (or any JSON object of these fields) to start from; "
-                        "flags given beside it override its values")
+                   help="a run's config.json (or any JSON object of these fields) to start "
+                        "from; flags given beside it override its values")
     groups = {None: p.add_argument_group("essential flags")}
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.metadata.get("group") is not None):
+    # the essential flags (no group) first
+    fields = sorted(dataclasses.fields(cls),
+                    key=lambda f: f.metadata.get("group") is not None)
+    for f in fields:
         flag, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
         name = meta.pop("group", None)
-        where = groups.setdefault(name,
-                                  groups[None] if name is None else p.add_argument_group(name))
+        fresh = groups[None] if name is None else p.add_argument_group(name)
+        where = groups.setdefault(name, fresh)
         helptext = meta["help"].replace("%", "%%")
         choices = meta.get("choices")
         choices = choices() if callable(choices) else choices
@@ -121,8 +126,8 @@ def config_parser(cls, description: str, prog: str | None = None) -> Parser:
 
 
 def given_fields(cls, argv, description: str = "", prog: str | None = None) -> set[str]:
-    """The fields that the command line `argv` sets itself (not by default): parsed once more with
-    every default suppressed."""
+    """The fields that the command line `argv` sets itself (not by default): parsed once more
+    with every default suppressed."""
     quiet = config_parser(cls, description, prog)
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
@@ -130,14 +135,15 @@ def given_fields(cls, argv, description: str = "", prog: str | None = None) -> s
 
 
 def check_saved(p: argparse.ArgumentParser, saved: dict, flag: str) -> None:
-    """Each field of a config file as its flag would take it (argparse checks what the command line
-    gives, not the defaults a file sets): the flag's type (a number for a text flag is read as
-    text, an int for a float one as a float), one of its choices, None only where the default is
-    None; else a one-line exit naming the field."""
+    """Each field of a config file as its flag would take it (argparse checks what the command
+    line gives, not the defaults a file sets): the flag's type (a number for a text flag is
+    read as text, an int for a float one as a float), one of its choices, None only where the
+    default is None; else a one-line exit naming the field."""
     for a in p._actions:
         if a.dest not in saved or not a.option_strings:
             continue
-        v, kind = saved[a.dest], bool if isinstance(a, argparse.BooleanOptionalAction) else a.type
+        v = saved[a.dest]
+        kind = bool if isinstance(a, argparse.BooleanOptionalAction) else a.type
         if kind is str and isinstance(v, (int, float)) and not isinstance(v, bool):
             v = saved[a.dest] = str(v)
         elif kind is float and isinstance(v, int) and not isinstance(v, bool):
@@ -145,8 +151,8 @@ def check_saved(p: argparse.ArgumentParser, saved: dict, flag: str) -> None:
         ok = (a.default is None if v is None
               else type(v) is kind and (a.choices is None or v in a.choices))
         if not ok:
-            p.error(f"{flag}: {a.dest} = {json.dumps(v)} is not a value {a.option_strings[0]} "
-                    "takes")
+            p.error(f"{flag}: {a.dest} = {json.dumps(v)} is not a value "
+                    f"{a.option_strings[0]} takes")
 
 
 def read_config(p: argparse.ArgumentParser, path: str, flag: str) -> dict:
@@ -162,20 +168,22 @@ def read_config(p: argparse.ArgumentParser, path: str, flag: str) -> dict:
 
 
 def parse_config(cls, argv=None, description: str = "", prog: str | None = None, adapt=None):
-    """(parser, config) from the command line. `--config FILE` sets the defaults first, so any flag
-    given beside it wins; so does OUT/config.json when the config has `resume` and `out` and
-    --resume is given (a run continues with its own settings; the flags given beside --resume change
-    them). A file with fields this script does not know is refused, naming them; with `adapt` (a
-    function of the file's dict returning (fields, {field: why it is skipped})) those fields are
-    skipped with a one-line note. `parser.given` holds the fields the command line set itself."""
+    """(parser, config) from the command line. `--config FILE` sets the defaults first, so any
+    flag given beside it wins; so does OUT/config.json when the config has `resume` and `out`
+    and --resume is given (a run continues with its own settings; the flags given beside
+    --resume change them). A file with fields this script does not know is refused, naming
+    them; with `adapt` (a function of the file's dict returning (fields, {field: why it is
+    skipped})) those fields are skipped with a one-line note. `parser.given` holds the fields
+    the command line set itself."""
     p = config_parser(cls, description, prog)
     args = p.parse_args(argv)
-    check_install()  # vision/audio builds that would break transformers: one line, before any write
+    # vision/audio builds that would break transformers: one line, before any write
+    check_install()
     p.given = given_fields(cls, argv, description, prog)
     path, flag = args.config, f"--config {args.config}"
     if getattr(args, "resume", False) and args.config:
-        p.error("--resume continues the run in --out with its own config.json: give changes as "
-                "flags, not --config")
+        p.error("--resume continues the run in --out with its own config.json: give changes "
+                "as flags, not --config")
     if getattr(args, "resume", False) and getattr(args, "out", None):
         path, flag = (os.path.join(args.out, "config.json"),
                       f"--resume: {os.path.join(args.out, 'config.json')}")
@@ -203,7 +211,7 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
     values = vars(args)
     values.pop("config")
     cfg = cls(**values)
-    if isinstance(cfg, Shared):  # the cap of every env client made after (env_client.cap_answers)
+    if isinstance(cfg, Shared):  # caps every env client made after (env_client.cap_answers)
         from env_client import cap_answers
 
         check_ranges(p, cfg, {"env_max_answer_mb": "(0, inf)"})
@@ -228,16 +236,17 @@ def check_ranges(p: argparse.ArgumentParser, cfg, ranges: dict[str, str]) -> Non
         if (lo < v if interval[0] == "(" else lo <= v) and \
                 (v < hi if interval[-1] == ")" else v <= hi):
             continue  # (a NaN fails both)
-        if hi == float("inf"):
-            what = ("positive" if lo == 0 else f"greater than {lo:g}") if interval[0] == "(" else \
-                ("0 or more" if lo == 0 else f"at least {lo:g}")
+        if hi == float("inf") and interval[0] == "(":
+            what = "positive" if lo == 0 else f"greater than {lo:g}"
+        elif hi == float("inf"):
+            what = "0 or more" if lo == 0 else f"at least {lo:g}"
         else:
             what = f"in {interval}"
         p.error(f"--{name.replace('_', '-')} must be {what}, got {v:g}")
 
 
 def file_in_the_way(folder: str) -> str | None:
-    """The file that keeps `folder` from being made: itself or a folder above it; None if none."""
+    """The file that keeps `folder` from being made (itself or a folder above it), or None."""
     there = os.path.normpath(folder)
     while not os.path.exists(there) and os.path.dirname(there) not in ("", there):
         there = os.path.dirname(there)
@@ -258,17 +267,17 @@ def check_device(p: argparse.ArgumentParser, name: str) -> None:
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not count:
-            p.error(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; use "
-                    "--device cpu")
+            p.error(f"--device {name}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                    "use --device cpu")
         if device.index is not None and device.index >= count:
             p.error(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to "
                     f"cuda:{count - 1}")
 
 
 def check_env(p: argparse.ArgumentParser, cfg) -> None:
-    """--env names a whole registered game (agents.env_spec); a game this project does not serve
-    (WebArena) needs --env-addr, and a model: the built-in tiny model only knows the games served
-    here."""
+    """--env names a whole registered game (agents.env_spec); a game this project does not
+    serve (WebArena) needs --env-addr, and a model: the built-in tiny model only knows the
+    games served here."""
     from env_server.agents import env_spec
 
     try:
@@ -277,19 +286,20 @@ def check_env(p: argparse.ArgumentParser, cfg) -> None:
         p.error(f"--env: {e}")
     if spec.server is None:
         if cfg.env_addr is None:
-            p.error(f"--env {cfg.env} is served by another project: give its server's address with "
-                    "--env-addr")
+            p.error(f"--env {cfg.env} is served by another project: give its server's "
+                    "address with --env-addr")
         if all(getattr(cfg, k, None) is None for k in ("model", "checkpoint", "endpoint")):
-            p.error(f"--env {cfg.env} needs --model: the built-in tiny model only knows the envs "
-                    "served here")
+            p.error(f"--env {cfg.env} needs --model: the built-in tiny model only knows the "
+                    "envs served here")
     check_env_addr(p, cfg.env_addr, cfg.env)
 
 
-def check_env_addr(p: argparse.ArgumentParser, addr: str | None, env: str | None = None) -> None:
-    """--env-addr answers (any answer: AgentGym's servers reply to / in plain text), before anything
-    is written; a refused connection or a silent address is one line. A server that names its game
-    (this project's say {"env": ...} at /) must serve `env`; one that does not say is taken at its
-    word."""
+def check_env_addr(p: argparse.ArgumentParser, addr: str | None,
+                   env: str | None = None) -> None:
+    """--env-addr answers (any answer: AgentGym's servers reply to / in plain text), before
+    anything is written; a refused connection or a silent address is one line. A server that
+    names its game (this project's say {"env": ...} at /) must serve `env`; one that does not
+    say is taken at its word."""
     if not addr:
         return
     from env_client import EnvError, Transport
@@ -304,7 +314,8 @@ def check_env_addr(p: argparse.ArgumentParser, addr: str | None, env: str | None
         return
     served = health.get("env") if isinstance(health, dict) else None
     if env and isinstance(served, str) and served != env:
-        p.error(f"--env-addr {addr} serves {served}, not {env} (--env): point it at a {env} server")
+        p.error(f"--env-addr {addr} serves {served}, not {env} (--env): point it at a "
+                f"{env} server")
 
 
 def check_reporter(p: argparse.ArgumentParser, kind: str) -> None:
@@ -330,12 +341,13 @@ def cpu_threads(threads: int = 0, leave_one: bool = True) -> int:
     `leave_one`: an env server on this machine needs it), shared by the processes of this node
     (torchrun's LOCAL_WORLD_SIZE).
 
-    Cores shared with other work: OpenMP's threads wait for each other by spinning, and a thread
-    whose core another process holds makes the others spin for a whole time slice, at every small
-    operation (a tiny model's update ran 6x slower than on one thread). The scripts therefore set
-    OMP_WAIT_POLICY=PASSIVE before torch loads (a waiting thread sleeps; measured with 5 busy
-    processes on 2 cores: small products 90x faster than spinning, large ones no slower); an
-    OMP_WAIT_POLICY of your own is kept. --threads 1 avoids the waiting altogether."""
+    Cores shared with other work: OpenMP's threads wait for each other by spinning, and a
+    thread whose core another process holds makes the others spin for a whole time slice, at
+    every small operation (a tiny model's update ran 6x slower than on one thread). The
+    scripts therefore set OMP_WAIT_POLICY=PASSIVE before torch loads (a waiting thread sleeps;
+    measured with 5 busy processes on 2 cores: small products 90x faster than spinning, large
+    ones no slower); an OMP_WAIT_POLICY of your own is kept. --threads 1 avoids the waiting
+    altogether."""
     if threads:
         return threads
     cores = (os.cpu_count() or 2) - (1 if leave_one else 0)
@@ -352,11 +364,12 @@ def resolve_device(name: str):
 
 @contextlib.contextmanager
 def serving_env(name: str, env_addr: str | None = None):
-    """(url, server) of the env server a script plays on: env_server.process.serving's (--env-addr,
-    else a `python -m env_server NAME` child process). A game the script registered itself is
-    unknown to that process: it is served on a thread of this one (server None). That imports
-    Flask here, which vLLM's start trips on (process.py says why): with vLLM, serve such a game in
-    another process (env_server.app.serve_in_thread) and give --env-addr."""
+    """(url, server) of the env server a script plays on: env_server.process.serving's
+    (--env-addr, else a `python -m env_server NAME` child process). A game the script
+    registered itself is unknown to that process: it is served on a thread of this one (server
+    None). That imports Flask here, which vLLM's start trips on (process.py says why): with
+    vLLM, serve such a game in another process (env_server.app.serve_in_thread) and give
+    --env-addr."""
     from env_server.agents import registered_here
     from env_server.process import serving
 
@@ -369,8 +382,8 @@ def serving_env(name: str, env_addr: str | None = None):
 
     url, stop = serve_in_thread(get_env_class(name))
     if os.environ.get("RANK", "0") == "0":
-        print(f"--env {name} is registered by this script, not in env_server/agents.py: served on "
-              f"a thread of this process at {url}", file=sys.stderr, flush=True)
+        print(f"--env {name} is registered by this script, not in env_server/agents.py: "
+              f"served on a thread of this process at {url}", file=sys.stderr, flush=True)
     try:
         yield url, None
     finally:
@@ -379,8 +392,8 @@ def serving_env(name: str, env_addr: str | None = None):
 
 def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "train",
                given: bool = True) -> dict:
-    """env_client.task_splits, or a one-line exit: no server at the address, a bad --tasks-file, or
-    (for training) task ids in both the training and the test split."""
+    """env_client.task_splits, or a one-line exit: no server at the address, a bad
+    --tasks-file, or (for training) task ids in both the training and the test split."""
     from env_client import EnvError
     from trainer.tasks import task_splits
 
@@ -391,11 +404,12 @@ def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "tr
     except EnvError as e:
         where = f"--env-addr {url}" if given else f"the local {env} server at {url}"
         sys.exit(f"{where}: no env server answers there ({e.message})")
-    shared = sorted(set(tasks["splits"].get("train", [])) & set(tasks["splits"].get("test", [])))
+    splits = tasks["splits"]
+    shared = sorted(set(splits.get("train", [])) & set(splits.get("test", [])))
     # held-out numbers would measure memory, not generalisation
     if list_split == "train" and shared:
-        sys.exit(f"{'--tasks-file ' + tasks_file if tasks_file else url}: {len(shared)} task ids "
-                 f"are in both the training and the test split (first: {shared[:5]}); give "
-                 "disjoint splits (a bare list in --tasks-file is the training split, beside the "
-                 "server's test split)")
+        source = f"--tasks-file {tasks_file}" if tasks_file else url
+        sys.exit(f"{source}: {len(shared)} task ids are in both the training and the test "
+                 f"split (first: {shared[:5]}); give disjoint splits (a bare list in "
+                 "--tasks-file is the training split, beside the server's test split)")
     return tasks

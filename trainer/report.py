@@ -1,16 +1,15 @@
 """Experiment tracking beside the run folder's own logs: `--report-to none|tensorboard|wandb`.
 
-    reporter = make_reporter("tensorboard", out, config)   # OUT/tensorboard/ (event files)
-    reporter.log("train", row, step)                        # every number of a metrics.jsonl line
-    reporter.log("eval", result, step)                      # a held-out evaluation (by_category
-                                                              flattened)
+    reporter = make_reporter("tensorboard", out, config)  # OUT/tensorboard/ (event files)
+    reporter.log("train", row, step)      # every number of a metrics.jsonl line
+    reporter.log("eval", result, step)    # a held-out evaluation (by_category flattened)
     reporter.close()
 
-TensorBoard and Weights & Biases are optional packages, imported only when asked for; `missing`
-names the one that is not installed, so that the scripts refuse the flag at parse time, before
-anything is written. W&B runs offline with WANDB_MODE=offline (its files go to OUT/wandb/; `wandb
-sync` uploads them later). The config goes in as W&B's run config, and as a text entry "config" in
-TensorBoard.
+TensorBoard and Weights & Biases are optional packages, imported only when asked for;
+`missing` names the one that is not installed, so that the scripts refuse the flag at parse
+time, before anything is written. W&B runs offline with WANDB_MODE=offline (its files go to
+OUT/wandb/; `wandb sync` uploads them later). The config goes in as W&B's run config, and as a
+text entry "config" in TensorBoard.
 """
 
 from __future__ import annotations
@@ -21,29 +20,30 @@ import json
 import math
 import os
 
-from packaging.version import Version  # wandb's version against WANDB_MIN (packaging: PEP 440)
+from packaging.version import Version  # wandb's version against WANDB_MIN (PEP 440)
 
 REPORTERS = ("none", "tensorboard", "wandb")
 # --report-to value -> the package it needs
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-WANDB_MIN = "0.19.10"  # wandb.init(reinit="create_new"): one run per reporter, not one a process
+# wandb.init(reinit="create_new"): one run per reporter, not one a process
+WANDB_MIN = "0.19.10"
 
 
 def missing(kind: str) -> str | None:
-    """Why `--report-to kind` cannot run here (its package is not installed; W&B online without a
-    login), or None."""
+    """Why `--report-to kind` cannot run here (its package is not installed; W&B online
+    without a login), or None."""
     package = PACKAGES.get(kind)
     try:
         found = package is None or importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         found = False
     if not found:
-        return (f"--report-to {kind} needs the {package} package, which is not installed: pip "
-                f"install {package}")
+        return (f"--report-to {kind} needs the {package} package, which is not installed: "
+                f"pip install {package}")
     version = _version(package) if kind == "wandb" else None
     if version is not None and Version(version) < Version(WANDB_MIN):
-        return (f"--report-to wandb needs wandb {WANDB_MIN} or newer (reinit=\"create_new\"), not "
-                f"{version}: pip install -U wandb")
+        return (f"--report-to wandb needs wandb {WANDB_MIN} or newer "
+                f"(reinit=\"create_new\"), not {version}: pip install -U wandb")
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
     if (kind == "wandb" and not offline and not os.environ.get("WANDB_API_KEY")
             and not _netrc_login()):
@@ -73,8 +73,8 @@ def _netrc_login() -> bool:
 
 
 def numbers(row: dict, prefix: str = "") -> dict[str, float]:
-    """The finite numbers of a log line, nested dicts flattened as "a/b"; bools as 0/1, text left
-    out."""
+    """The finite numbers of a log line, nested dicts flattened as "a/b"; bools as 0/1, text
+    left out."""
     out = {}
     for k, v in row.items():
         if isinstance(v, dict):
@@ -124,7 +124,8 @@ class WandB(Reporter):
         self.run.finish()
 
 
-def make_reporter(kind: str, out: str, config: dict, project: str = "agentgym-rl-mini") -> Reporter:
+def make_reporter(kind: str, out: str, config: dict,
+                  project: str = "agentgym-rl-mini") -> Reporter:
     if kind == "tensorboard":
         return TensorBoard(out, config)
     if kind == "wandb":

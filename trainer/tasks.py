@@ -1,6 +1,6 @@
-"""Task lists for the scripts: a server's /tasks, task files in this project's and the original
-release's id formats, the defaults of envs served elsewhere (WebArena), ids spread over a
-split."""
+"""Task lists for the scripts: a server's /tasks, task files in this project's and the
+original release's id formats, the defaults of envs served elsewhere (WebArena), ids spread
+over a split."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ from env_client import EnvError, Transport
 
 # Envs served by other projects, whose servers have no /tasks: how many task ids they take.
 REMOTE_TASKS = {"webarena": 812}  # WebArena's config_files/0.json .. 811.json
-# The env part of the original release's item ids ("textcraft_12") -> this project's env names.
+# The env part of an original-release item id ("textcraft_12") -> this project's env name.
 ITEM_PREFIXES = {"textcraft": "textcraft", "babyai": "babyai", "sciworld": "sciworld",
                  "searchqa": "searchqa", "webarena": "webarena"}
 
 
 def item_id(env: str, x, num_tasks: int | None = None) -> int:
-    """A task id from an id list: an int, an original-release item id "<env>_<n>", or an object with
-    an `item_id` field holding either. Raises ValueError for an id `env` does not have."""
+    """A task id from an id list: an int, an original-release item id "<env>_<n>", or an
+    object with an `item_id` field holding either. Raises ValueError for an id `env` does not
+    have."""
     if isinstance(x, dict):
         if "item_id" not in x:
-            raise ValueError(f"an id object needs an 'item_id' field, got keys {sorted(x)[:5]}")
+            raise ValueError("an id object needs an 'item_id' field, got keys "
+                             f"{sorted(x)[:5]}")
         return item_id(env, x["item_id"], num_tasks)
     if isinstance(x, str):
         prefix, _, n = x.rpartition("_")
@@ -31,17 +33,18 @@ def item_id(env: str, x, num_tasks: int | None = None) -> int:
             raise ValueError(f"item id {x!r} is for {prefix!r}, not {env!r}")
         x = int(n)
     if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"a task id must be an integer, '<env>_<n>' or {{'item_id': ...}}, got "
-                         f"{x!r}")
+        raise ValueError("a task id must be an integer, '<env>_<n>' or {'item_id': ...}, "
+                         f"got {x!r}")
     if x < 0 or (num_tasks is not None and x >= num_tasks):
         raise ValueError(f"{env} has no task {x} (its tasks are 0..{(num_tasks or 1) - 1})")
     return x
 
 
 def read_tasks_file(path: str, env: str, num_tasks: int | None, list_split: str) -> dict:
-    """{"splits": {...}, "categories": {...}} from a JSON file: {"train": [...], "test": [...]} (or
-    {"splits": {...}}, optionally "categories": {"12": "shopping"}), or a bare list of ids, which is
-    the `list_split` split. Ids as `item_id` reads them."""
+    """{"splits": {...}, "categories": {...}} from a JSON file:
+    {"train": [...], "test": [...]} (or {"splits": {...}}, optionally
+    "categories": {"12": "shopping"}), or a bare list of ids, which is the `list_split`
+    split. Ids as `item_id` reads them."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -67,11 +70,12 @@ def read_tasks_file(path: str, env: str, num_tasks: int | None, list_split: str)
 
 def task_splits(url: str, env: str, tasks_file: str | None = None,
                 list_split: str = "train") -> dict:
-    """{"splits": {"train": [...], "test": [...]}, "categories": {id: name}} of the tasks at `url`.
+    """{"splits": {"train": [...], "test": [...]}, "categories": {id: name}} of `url`'s tasks.
 
-    From the server's /tasks (this project's servers), else the defaults of an env served elsewhere:
-    WebArena's 812 ids with every fifth one held out. A `tasks_file` (read_tasks_file) replaces the
-    splits it lists; its ids are checked against the server's task count where it is known.
+    From the server's /tasks (this project's servers), else the defaults of an env served
+    elsewhere: WebArena's 812 ids with every fifth one held out. A `tasks_file`
+    (read_tasks_file) replaces the splits it lists; its ids are checked against the server's
+    task count where it is known.
     """
     served = answer = None
     try:
@@ -93,8 +97,9 @@ def task_splits(url: str, env: str, tasks_file: str | None = None,
                 "categories": given["categories"]}
     if served is None:  # (AgentGym's own servers list none: a --tasks-file gives them)
         answer = answer if len(answer) <= 100 else answer[:100] + "..."
-        raise ValueError(f"{url} is not an env server of this project: it answered {answer} (an "
-                         "AgentGym env server lists no tasks: give them with --tasks-file)")
+        raise ValueError(f"{url} is not an env server of this project: it answered "
+                         f"{answer} (an AgentGym env server lists no tasks: give them with "
+                         "--tasks-file)")
     return {"splits": served["splits"], "categories": {}}
 
 

@@ -216,7 +216,7 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
                 o.zero_grad(set_to_none=True)
             stats.first = epoch == 0 and s == 0  # no optimizer step yet
             for idx in rows.micro_batches(mini, skip=idle):
-                micro_step(run, rows, mask, targets, idx, loss_norm, stats)
+                micro_step(run, rows, targets, idx, loss_norm, stats)
             if world == 1 and not any(p.grad is not None for p in run.model.parameters()):
                 for p in run.model.parameters():  # all rows idle: the zero gradient they give
                     p.grad = torch.zeros_like(p)
@@ -228,7 +228,7 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
                 o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
     m = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
-    m["update_kl"] = update_kl(run, rows.batch, mask, idle, stats.before)  # for the guard
+    m["update_kl"] = update_kl(run, rows, idle, stats.before)  # for the guard
     return m
 
 
@@ -238,14 +238,12 @@ def logprobs(run, model, rows: layer.Rows, skip=frozenset()) -> torch.Tensor:
     return rows.passes(lambda mb, m: token_logprobs(model, mb, t, mask=m)[0], skip)
 
 
-def micro_step(run, rows, mask, targets: dict, idx: list[int], loss_norm: float, stats):
+def micro_step(run, rows, targets: dict, idx: list[int], loss_norm: float, stats):
     """Forward and backward of a micro-batch (rows `idx`): the clipped policy loss, the
     entropy bonus, the KL to the reference, the critic's value loss; statistics to `stats`."""
-    cfg, world, batch = run.cfg, ranks.world_size(), rows.batch
-    T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the batch's padding
-    mb = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
-    mb_mask = mask[idx, :T - 1]
-    cut = {k: None if v is None else v[idx, :T - 1] for k, v in targets.items()}
+    cfg, world = run.cfg, ranks.world_size()
+    mb, mb_mask = rows.cut(idx)  # cut to the longest row: no column of padding only
+    cut = {k: None if v is None else v[idx, :mb_mask.shape[1]] for k, v in targets.items()}
     w = micro_weight(mb_mask, loss_norm, cfg.loss_agg, world)  # its share of the loss
     lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask,
                              with_entropy=True)
@@ -277,18 +275,15 @@ def micro_weight(mask_micro, loss_norm: float, mode: str, world: int = 1) -> flo
     return world * algos.agg_denominator(mask_micro, mode) / max(loss_norm, 1.0)
 
 
-def update_kl(run, batch: dict, mask: torch.Tensor, idle: set[int],
-              before: list) -> float | None:
+def update_kl(run, rows: layer.Rows, idle: set[int], before: list) -> float | None:
     """How far the update moved the policy: k3 KL(before || after) per sampled token of the
     first mini-batch's moving rows (before: its first passes; after: one more forward)."""
     kl_sum, tokens = 0.0, 0.0
-    moves = torch.tensor([i not in idle for i in range(mask.shape[0])], device=mask.device)
+    moves = torch.tensor([i not in idle for i in range(len(rows.trajs))], device=run.device)
     for idx, lp_before in before:  # as many on every rank: FSDP's forward is a collective
-        T = lp_before.shape[1] + 1
-        m = mask[idx, :T - 1]
-        rows = {k: batch[k][idx, :T] for k in ("input_ids", "attention_mask", "position_ids")}
+        mb, m = rows.cut(idx)
         with torch.no_grad():
-            lp_after, _ = token_logprobs(run.prec.model, rows, run.cfg.temperature, mask=m)
+            lp_after, _ = token_logprobs(run.prec.model, mb, run.cfg.temperature, mask=m)
         sel = (m > 0) & moves[idx][:, None]
         kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
         tokens += float(sel.sum())

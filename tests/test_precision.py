@@ -63,9 +63,9 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
         if mode == "all":
             monkeypatch.setattr(train.layer, "idle_rows", lambda *a: set())
 
-        def counting(run_, batch, mask, targets, idx, *a, _mode=mode, **kw):
+        def counting(run_, rows, targets, idx, *a, _mode=mode, **kw):
             forwarded[_mode] += len(idx)
-            return real_micro_step(run_, batch, mask, targets, idx, *a, **kw)
+            return real_micro_step(run_, rows, targets, idx, *a, **kw)
 
         monkeypatch.setattr(train, "micro_step", counting)
         torch.manual_seed(1)

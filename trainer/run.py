@@ -366,6 +366,8 @@ class Interrupts:
 # ================================================================ the update's machinery
 # off: idle rows are forwarded too, to the same update (tests/test_plain_layers.py)
 SKIP_IDLE = True
+# what a forward pass reads of a row
+INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 class Rows:
@@ -373,10 +375,9 @@ class Rows:
     at index B), and their micro-batches of similar length, each <= --micro-batch-tokens."""
 
     def __init__(self, run, trajs: list[Trajectory]):
-        self.B, self.world = len(trajs), world_size()
-        self.max_tokens = run.cfg.micro_batch_tokens
+        self.B, self.max_tokens = len(trajs), run.cfg.micro_batch_tokens
         blank = ([Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])]
-                 if self.world > 1 else [])
+                 if world_size() > 1 else [])
         self.trajs = list(trajs) + blank  # the rows, in order
         batch = build_batch(self.trajs, run.pad)
         self.batch = {k: v.to(run.device) for k, v in batch.items()}
@@ -390,18 +391,20 @@ class Rows:
                    for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
         return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
 
+    def cut(self, idx: list[int]) -> tuple[dict, torch.Tensor]:
+        """Rows `idx` cut to the longest, t tokens (no column of padding only): INPUTS (b, t)
+        and the loss mask (b, t-1), shifted as the log-probs are (token j+1's at j)."""
+        t = max(self.lengths[i] for i in idx)
+        inputs = {k: self.batch[k][idx, :t] for k in INPUTS}
+        return inputs, self.batch["loss_mask"][idx, 1:t]
+
     def passes(self, fn, skip=frozenset()) -> torch.Tensor:
-        """fn(rows, mask) -> (b, t-1) over every row but `skip`, without gradients: (B, T-1).
-        Each micro-batch is cut to its longest row (t <= T), as the update's are: `rows` holds
-        its input_ids, attention_mask, position_ids (b, t), `mask` its loss mask (b, t-1)."""
-        mask = self.batch["loss_mask"][:, 1:]
-        out = torch.zeros_like(mask)
+        """fn(rows, mask) -> (b, t-1) on micro-batches `cut` but `skip`, no grad: (B, T-1)."""
+        out = torch.zeros_like(self.batch["loss_mask"][:, 1:])
         with torch.no_grad():
             for idx in self.micro_batches(list(range(self.B)), skip):
-                t = max(self.lengths[i] for i in idx)
-                rows = {k: self.batch[k][idx, :t]
-                        for k in ("input_ids", "attention_mask", "position_ids")}
-                out[idx, :t - 1] = fn(rows, mask[idx, :t - 1])
+                rows, mask = self.cut(idx)
+                out[idx, :mask.shape[1]] = fn(rows, mask)
         return out
 
 

@@ -42,10 +42,11 @@ class ChatFormat:
                         {"role": "assistant", "content": "A"}]
         self._gen_prompt = self._render(self._dialog[:1], gen=True)  # what a reply follows
         self._head = self._gen_prompt + "A"  # the dialog up to the end of the reply
-        if not self._render(self._dialog + [{"role": "user", "content": "x"}],
-                            gen=True).startswith(self._head):
+        seen = self._render(self._dialog + [{"role": "user", "content": "x"}], gen=True)
+        if not seen.startswith(self._head):  # Llama-2's puts a space before the reply
             raise ValueError("the chat template does not render an assistant turn as "
-                             "prompt + content; cannot build observation turns from it")
+                             f"prompt + content (reply 'A' to 'U': {seen!r}); cannot build "
+                             "observation turns from it")
         anchor = self.encode(self._after_reply("x"))
         first = anchor[0] if anchor else None
         special = (set(tokenizer.all_special_ids)

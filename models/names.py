@@ -35,8 +35,10 @@ def check_model(model: str | None) -> str | None:
     """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on
     demand). Asks the hub at most once, with a short timeout, and never for a local folder or
     a cached name."""
-    if model is None or is_builtin(model) or os.path.isdir(model):
+    if model is None or is_builtin(model):
         return None
+    if os.path.isdir(model):
+        return template_problem(model)
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
         return (f"--model {model}: no such folder (a local model is a folder with "
                 "config.json and the tokenizer files)")
@@ -56,4 +58,20 @@ def check_model(model: str | None) -> str | None:
                else f"the hub cannot be reached ({type(e).__name__}: {str(e)[:120]})")
         return (f"--model {model}: not a local folder, not in the Hugging Face cache, "
                 f"and {why}")
+    return None
+
+
+def template_problem(folder: str) -> str | None:
+    """Why the tokenizer in model folder `folder` cannot mark the rollout's turns (no chat
+    template, or one that does not render a reply as prompt + text: rollout.ChatFormat), in
+    one line; None when it can, or when the folder holds no tokenizer (a run folder)."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    from models.policy import load_tokenizer
+    from rollout import ChatFormat
+
+    try:
+        ChatFormat(load_tokenizer(folder))
+    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
+        return f"--model {folder}: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
     return None

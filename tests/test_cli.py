@@ -113,6 +113,28 @@ def test_a_missing_model_folder_is_one_line_and_leaves_no_run_folder(tmp_path):
     assert not out.exists()
 
 
+def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_folder(tmp_path):
+    """A local --model whose chat template does not render a reply as prompt + text (here in
+    Llama-2's form: a space before it, eos after) is refused at parse time, with what it
+    rendered; so is one without a chat template."""
+    from models.tiny import build_tokenizer
+    tok, out = build_tokenizer(["user assistant U A x INST"], vocab_size=300), tmp_path / "run"
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}"
+                         "{{ '<s>[INST] ' + m.content.strip() + ' [/INST]' }}{% else %}"
+                         "{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+    tok.save_pretrained(tmp_path / "llama2-style")
+    for script in ("train.py", "eval.py", "sft.py"):
+        r = run([script, "--env", "corridor", "--model", str(tmp_path / "llama2-style"),
+                 "--out", str(out)])
+        one_line_error(r, "does not render an assistant turn as prompt + content (reply 'A' "
+                          "to 'U': '<s>[INST] U [/INST] A ")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "no-template")
+    r = run(["train.py", "--env", "corridor", "--model", str(tmp_path / "no-template")])
+    one_line_error(r, f"--model {tmp_path / 'no-template'}: ValueError:")
+    assert not out.exists()
+
+
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):
     t0 = time.time()
     r = run(["train.py", "--env", "corridor", "--model", "no-such-org/no-such-model-3f9a",

@@ -159,7 +159,8 @@ def test_qwen3_history_rewriting_is_detected(textcraft_url):
 
 def test_a_template_that_rewrites_the_reply_is_refused_when_the_format_is_made():
     """Observation turns are the template's text after a reply rendered as prompt + content; a
-    template that wraps the content (here in brackets) cannot give them, and says so at once."""
+    template that wraps the content (in brackets; Llama-2's, in a space and eos) cannot give
+    them, and says so at once, showing what it rendered."""
     from models.tiny import build_tokenizer
     tok = build_tokenizer(["user assistant U A x"], vocab_size=300)
     ChatFormat(tok)  # the tiny model's own template renders a reply as it is
@@ -167,6 +168,12 @@ def test_a_template_that_rewrites_the_reply_is_refused_when_the_format_is_made()
                          "[{{ m.content }}]{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(ValueError, match="does not render an assistant turn as prompt"):
+        ChatFormat(tok)
+    # Llama-2's template (written here in its form) puts a space and eos around the reply
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}"
+                         "{{ '<s>[INST] ' + m.content.strip() + ' [/INST]' }}{% else %}"
+                         "{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match=r"\(reply 'A' to 'U': '<s>\[INST\] U \[/INST\] A "):
         ChatFormat(tok)
 
 

@@ -111,8 +111,7 @@ class Run:
     saved: int = 0  # the step of the checkpoint on disk
     lr_scale: float = 1.0  # halved by the --max-update-kl guard
     reporter: object = None  # report.Reporter (rank 0; --report-to)
-    # shows what the step is doing now on the progress bar (rank 0)
-    show: object = lambda text: None
+    figures: str = ""  # the last step's K, reward and success, on the progress bar
     engine_kind: str = "hf"  # the engine that runs (--engine auto resolved): hf or vllm
     intr: object = None  # Interrupts (below), while the loop runs
     bar: object = None  # the progress bar (rank 0)
@@ -124,23 +123,11 @@ class Run:
 
     # ---------------------------------------------------------------- train.py's named points
     def steps(self):
-        """The steps from `start` to --steps behind a progress bar; before the first, the
-        starting policy's evaluation; between steps: the env-error rules, evaluations,
-        checkpoints, and (under torchrun) the ranks agreeing to stop on a signal."""
-        cfg, rank, world = self.cfg, global_rank(), world_size()
-        self.t_start = time.time()
-        self.safe, self.saved = (self.start - 1, snapshot(self)), self.start - 1
-        self.bar = tqdm(range(self.start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}",
-                        initial=self.start - 1, total=cfg.steps, dynamic_ncols=True,
-                        disable=rank != 0)
-        shown = [""]  # the last step's figures, shown before what this step is doing
-        if rank == 0:
-            self.show = lambda text: self.bar.set_postfix_str(
-                ", ".join(x for x in (shown[0], text) if x))
-        prev = self.start - 1  # the starting policy's evaluation, or one a stop cut short
-        if prev == 0 or (eval_due(cfg, prev) and prev not in [e["step"] for e in self.evals]):
-            evaluate(self, prev)
-        for step in self.bar:
+        """The steps from `start` to --steps (`begin`: the bar, the first evaluation); between
+        steps: the env-error rules, evaluations, checkpoints, and (under torchrun) the ranks
+        agreeing to stop on a signal."""
+        cfg = self.cfg
+        for step in self.begin():
             # a stop in this step's rollout replays the step on resume
             self.safe = (step - 1, snapshot(self))
             restart_if_dead(self.server)
@@ -148,8 +135,8 @@ class Run:
                 wait_for_env(self.server, self.url, cfg.env_wait)
             yield step  # train.py plays and updates; run.log sets self.last and self.safe
             last = self.last
-            shown[0] = (f"K={last['max_turns']}, reward={last['reward_mean']:.2f}, "
-                        f"success={last['success_rate']:.2f}")
+            self.figures = (f"K={last['max_turns']}, reward={last['reward_mean']:.2f}, "
+                            f"success={last['success_rate']:.2f}")
             self.show("")
             self.bad_steps = self.bad_steps + 1 if last.pop("bad") else 0
             if self.bad_steps:
@@ -160,8 +147,29 @@ class Run:
                                         or (cfg.save_every and step % cfg.save_every == 0)):
                 with self.intr.critical():
                     save(self, *self.safe)
-            if world > 1 and all_max(int(self.intr.signum is not None)):  # stop together
+            stopping = self.intr.signum is not None
+            if world_size() > 1 and all_max(int(stopping)):  # the ranks stop together
                 raise KeyboardInterrupt
+
+    def begin(self) -> tqdm:
+        """The run's start: its clock, what a stop before the first update saves, the bar over
+        the steps to play (shown on rank 0), the starting policy's evaluation (or one a stop
+        cut short)."""
+        cfg = self.cfg
+        self.t_start = time.time()
+        self.safe, self.saved = (self.start - 1, snapshot(self)), self.start - 1
+        self.bar = tqdm(range(self.start, cfg.steps + 1), desc=f"{cfg.env} {cfg.algo}",
+                        initial=self.start - 1, total=cfg.steps, dynamic_ncols=True,
+                        disable=global_rank() != 0)
+        prev = self.start - 1
+        if prev == 0 or (eval_due(cfg, prev) and prev not in [e["step"] for e in self.evals]):
+            evaluate(self, prev)
+        return self.bar
+
+    def show(self, text: str) -> None:
+        """What the step is doing now, on the progress bar after the last step's figures."""
+        if self.bar is not None:  # (a disabled bar, on other ranks, shows nothing)
+            self.bar.set_postfix_str(", ".join(x for x in (self.figures, text) if x))
 
     def tasks_for_step(self) -> tuple[list[int], list[int]]:
         """--batch-size training tasks drawn for the step (the same on every rank), each

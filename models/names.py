@@ -1,7 +1,8 @@
 """The names --model takes besides a folder or a hub name: the built-in real models (carried
 in PyPI wheels) and NAME-sft, their SFT warm start; and the one-line check of a --model before
-anything is built or written. Kept apart from models/builtin.py (which builds them) so that
-checking flags imports no builder."""
+anything is built or written (a local folder's chat template included: it loads the
+tokenizer). Kept apart from models/builtin.py (which builds them) so that checking flags
+imports no builder."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def is_builtin(model: str | None) -> bool:
 
 def check_model(model: str | None) -> str | None:
     """Why --model `model` cannot be loaded, in one line, or None when it can (or is built on
-    demand). Asks the hub at most once, with a short timeout, and never for a local folder or
-    a cached name."""
+    demand). A local folder's chat template is checked (`template_problem`); a hub name's is
+    checked when the run loads it. Asks the hub at most once, with a short timeout, and never
+    for a local folder or a cached name."""
     if model is None or is_builtin(model):
         return None
     if os.path.isdir(model):
@@ -73,5 +75,6 @@ def template_problem(folder: str) -> str | None:
     try:
         ChatFormat(load_tokenizer(folder))
     except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
-        return f"--model {folder}: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        why = " ".join(str(e).split())  # one line, however the library wrote it
+        return f"--model {folder}: {type(e).__name__}: {why[:400]}"
     return None

@@ -117,6 +117,7 @@ def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_
     """A local --model whose chat template does not render a reply as prompt + text (here in
     Llama-2's form: a space before it, eos after) is refused at parse time, with what it
     rendered; so is one without a chat template."""
+    from models.names import template_problem
     from models.tiny import build_tokenizer
     tok, out = build_tokenizer(["user assistant U A x INST"], vocab_size=300), tmp_path / "run"
     tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}"
@@ -133,6 +134,10 @@ def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_
     r = run(["train.py", "--env", "corridor", "--model", str(tmp_path / "no-template")])
     one_line_error(r, f"--model {tmp_path / 'no-template'}: ValueError:")
     assert not out.exists()
+    tok.chat_template = "{{ raise_exception('') }}"  # an error without a message is one too
+    tok.save_pretrained(tmp_path / "raises")
+    assert template_problem(str(tmp_path / "raises")) == (
+        f"--model {tmp_path / 'raises'}: TemplateError: ")
 
 
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):

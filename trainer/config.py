@@ -219,7 +219,6 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         p.error(f"--seed {cfg.seed}: a seed must fit in 64 bits (-2**63 to 2**63 - 1)")
     check_device(p, cfg.device)
     check_env(p, cfg)
-    check_model(p, cfg.model)
     check_reporter(p, cfg.report_to)
     try:
         schedule = make_schedule(cfg.schedule,
@@ -238,6 +237,7 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
                                           for f in RUN_FILES):
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to "
                 "continue that one")
+    check_model(p, cfg.model)  # last: it may load a tokenizer (seconds)
     # the settings file's, or the tiny's
     defaults = REAL_MODEL if cfg.model is not None else TINY_MODEL
     filled = []

@@ -1,11 +1,12 @@
 """The layer a training step walks through, each piece called from train.py at one named
-point: the loop over steps (`Run.steps`: progress bar, held-out evaluations, checkpoints, the
-env-error rules, signals), the tasks a step plays, the engine made ready to sample, the
-rollout's metrics and log, the update's critical section, the metrics line; and the update's
-machinery: the padded batch and its micro-batches by length (`Rows`, rollout.length_buckets),
-the rows that cannot move the weights (`idle_rows`) and the update's statistics
-(`UpdateStats`). Nothing here changes what a step computes: which trajectories are trained on,
-the advantages, the loss, the learning rate and the weight sync are written in train.py.
+point: the loop over steps (`Run.steps`: held-out evaluations, checkpoints, the env-error
+rules, signals; `Run.begin`: the progress bar, the first evaluation), the tasks a step plays,
+the engine made ready to sample, the rollout's metrics and log, the update's critical section,
+the metrics line; and the update's machinery: the padded batch and its micro-batches by length
+(`Rows`, rollout.length_buckets), the rows that cannot move the weights (`idle_rows`) and the
+update's statistics (`UpdateStats`). Nothing here changes what a step computes: which
+trajectories are trained on, the advantages, the loss, the learning rate and the weight sync
+are written in train.py.
 
 Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop,
 a crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's
@@ -114,7 +115,7 @@ class Run:
     figures: str = ""  # the last step's K, reward and success, on the progress bar
     engine_kind: str = "hf"  # the engine that runs (--engine auto resolved): hf or vllm
     intr: object = None  # Interrupts (below), while the loop runs
-    bar: object = None  # the progress bar (rank 0)
+    bar: object = None  # the progress bar (on every rank; shown on rank 0's)
     last: dict = dataclasses.field(default_factory=dict)  # the last step's metrics
     summary: dict = dataclasses.field(default_factory=dict)  # finish()'s, at the end
     t_start: float = 0.0

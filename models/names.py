@@ -75,6 +75,12 @@ def template_problem(folder: str) -> str | None:
     try:
         ChatFormat(load_tokenizer(folder))
     except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
-        why = " ".join(str(e).split())  # one line, however the library wrote it
-        return f"--model {folder}: {type(e).__name__}: {why[:400]}"
+        return refusal(folder, e)
     return None
+
+
+def refusal(model: str, e: Exception) -> str:
+    """--model `model`'s error `e` in one line, however the library wrote it (a hub model's
+    template, loaded only when the run starts, is refused so: trainer/setup.py)."""
+    why = " ".join(str(e).split())
+    return f"--model {model}: {type(e).__name__}: {why[:400]}"

@@ -140,6 +140,23 @@ def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_
         f"--model {tmp_path / 'raises'}: TemplateError: ")
 
 
+def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, monkeypatch):
+    """A hub model's template is first seen by setup, which refuses it in one line, before the
+    run folder is made (here a local folder, its flag-time check turned off, stands in)."""
+    import models.names
+    from models.tiny import build_tokenizer
+    tok, out = build_tokenizer(["user assistant U A x"], vocab_size=300), tmp_path / "run"
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    tok.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(models.names, "template_problem", lambda folder: None)
+    cfg = train.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"), "--out",
+                            str(out)])
+    with pytest.raises(SystemExit) as e:
+        train.main(cfg)
+    assert str(e.value) == (f"--model {tmp_path / 'model'}: TemplateError: roles must "
+                            "alternate") and not out.exists()
+
+
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):
     t0 = time.time()
     r = run(["train.py", "--env", "corridor", "--model", "no-such-org/no-such-model-3f9a",

@@ -28,6 +28,7 @@ import algos
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_client import EnvPool
 from models.builtin import resolve
+from models.names import refusal
 from models.policy import (Critic, dtype_name, load_model, load_tokenizer, pad_id, prepare,
                            resolve_dtype)
 from rollout import ChatFormat
@@ -119,7 +120,11 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     init_path = built(cfg)
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = load_tokenizer(model_path)
-    check_context(cfg, ChatFormat(tokenizer))  # --max-context against the opening prompt
+    try:  # a local folder's template was checked with the flags; a hub model's is here
+        fmt = ChatFormat(tokenizer)
+    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
+        sys.exit(refusal(cfg.model or model_path, e))
+    check_context(cfg, fmt)  # --max-context against the opening prompt
     model = load_model(model_path, dtype=None).train()
     dtype = compute_dtype(cfg, device, model)
     model = prepare(model, device, cfg.grad_checkpointing, dtype)
@@ -139,7 +144,7 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     pad = pad_id(tokenizer)
     every = stage_steps(cfg.schedule, cfg.steps, cfg.schedule_every)
     run = Run(cfg=cfg, url=url, server=server, device=device, tokenizer=tokenizer,
-              fmt=ChatFormat(tokenizer), pad=pad, model=model, prec=prec, ref=ref,
+              fmt=fmt, pad=pad, model=model, prec=prec, ref=ref,
               critic=critic, optims=optims, compute_dtype=dtype,
               engine=engine_for(cfg, prec.model, model_path, pad, device, dtype),
               schedule=make_schedule(cfg.schedule, every, cfg.schedule_kind),

@@ -10,7 +10,7 @@ import sys
 
 import rollout
 from engines import make_engine, resolve_engine, sampling_device
-from models import builtin, policy
+from models import builtin, names, policy
 # eval.py records the engine's dtype with dtype_name
 from models.policy import dtype_name  # noqa: F401
 from tools.run_settings import checkpoint_model  # --checkpoint: a run or a checkpoint folder
@@ -32,6 +32,10 @@ def load_local(cfg, episodes: int | None = None):
               "there); nothing played", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     tokenizer, device = policy.load_tokenizer(path), resolve_device(cfg.device)
+    try:  # a local folder's template was checked with the flags; a hub model's is here
+        fmt = rollout.ChatFormat(tokenizer)
+    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
+        raise SystemExit(names.refusal(cfg.model or path, e)) from None
     pad, kind = policy.pad_id(tokenizer), resolve_engine(cfg.engine, path, device)
     if kind == "vllm":  # vLLM serves real models only: the dtype rule needs no model to count
         dtype = policy.dtype_name(policy.resolve_dtype(cfg.dtype, device))
@@ -48,4 +52,4 @@ def load_local(cfg, episodes: int | None = None):
         model = policy.load_model(path, device).eval()
         model = model.to(policy.resolve_dtype(cfg.dtype, device, model))
         engine = make_engine("hf", model, path, pad)
-    return engine, rollout.ChatFormat(tokenizer), path, sampling_device(kind, device), kind
+    return engine, fmt, path, sampling_device(kind, device), kind

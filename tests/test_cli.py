@@ -141,8 +141,9 @@ def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_
 
 
 def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, monkeypatch):
-    """A hub model's template is first seen by setup, which refuses it in one line, before the
-    run folder is made (here a local folder, its flag-time check turned off, stands in)."""
+    """A hub model's template is first seen when train.py's setup or eval.py loads it, which
+    refuse it in one line before writing anything (a local folder, its flag-time check turned
+    off, stands in for the hub model)."""
     import models.names
     from models.tiny import build_tokenizer
     tok, out = build_tokenizer(["user assistant U A x"], vocab_size=300), tmp_path / "run"
@@ -153,8 +154,15 @@ def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, mo
                             str(out)])
     with pytest.raises(SystemExit) as e:
         train.main(cfg)
-    assert str(e.value) == (f"--model {tmp_path / 'model'}: TemplateError: roles must "
-                            "alternate") and not out.exists()
+    refused = f"--model {tmp_path / 'model'}: TemplateError: roles must alternate"
+    assert str(e.value) == refused and not out.exists()
+    import eval as evaluation
+    cfg = evaluation.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"),
+                                 "--out", str(tmp_path / "eval.json")])
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(cfg)
+    assert str(e.value) == refused
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # no eval file, no run folder
 
 
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):

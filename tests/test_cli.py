@@ -141,8 +141,8 @@ def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_
 
 
 def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, monkeypatch):
-    """A hub model's template is first seen when train.py's setup or eval.py loads it, which
-    refuse it in one line before writing anything (a local folder, its flag-time check turned
+    """A hub model's template is first seen when train.py's setup, eval.py or sft.py loads it:
+    each refuses it in one line before writing anything (a local folder, its flag-time check turned
     off, stands in for the hub model)."""
     import models.names
     from models.tiny import build_tokenizer
@@ -162,7 +162,13 @@ def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, mo
     with pytest.raises(SystemExit) as e:
         evaluation.main(cfg)
     assert str(e.value) == refused
-    assert sorted(os.listdir(tmp_path)) == ["model"]  # no eval file, no run folder
+    from recipes import sft
+    cfg = sft.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"), "--out",
+                          str(tmp_path / "sft")])
+    with pytest.raises(SystemExit) as e:
+        sft.main(cfg)
+    assert str(e.value) == refused
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # no run folder, eval file, sft model
 
 
 def test_an_unknown_hub_name_fails_fast_without_waiting_on_the_network(tmp_path):

@@ -28,10 +28,9 @@ import algos
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_client import EnvPool
 from models.builtin import resolve
-from models.names import refusal
+from models.names import chat_format
 from models.policy import (Critic, dtype_name, load_model, load_tokenizer, pad_id, prepare,
                            resolve_dtype)
-from rollout import ChatFormat
 from scheduler import make_schedule, stage_steps
 from trainer.checkpoints import (find_checkpoint, load_checkpoint, previous_minutes, read_log,
                                  resume_command, truncate_logs)
@@ -120,10 +119,7 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
     init_path = built(cfg)
     model_path = os.path.join(ckpt, "model") if ckpt else init_path
     tokenizer = load_tokenizer(model_path)
-    try:  # a local folder's template was checked with the flags; a hub model's is here
-        fmt = ChatFormat(tokenizer)
-    except Exception as e:  # noqa: BLE001  # transformers' or jinja's, said in one line
-        sys.exit(refusal(cfg.model or model_path, e))
+    fmt = chat_format(cfg.model or model_path, tokenizer)  # or exit, naming the template
     check_context(cfg, fmt)  # --max-context against the opening prompt
     model = load_model(model_path, dtype=None).train()
     dtype = compute_dtype(cfg, device, model)

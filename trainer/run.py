@@ -408,7 +408,7 @@ class Rows:
         return inputs, self.batch["loss_mask"][idx, 1:t]
 
     def passes(self, fn, skip=frozenset()) -> torch.Tensor:
-        """fn(rows, mask) -> (b, t-1) on micro-batches `cut` but `skip`, no grad: (B, T-1)."""
+        """fn(rows, mask) -> (b, t-1) on micro-batches `cut` but `skip`, no grad: all rows."""
         out = torch.zeros_like(self.batch["loss_mask"][:, 1:])
         with torch.no_grad():
             for idx in self.micro_batches(list(range(self.B)), skip):

@@ -1,6 +1,6 @@
 """rollout.py: token-in/token-out rows checked against real chat templates (Qwen2.5, Qwen3, Phi-3),
-loss masks, statuses, the batch builder, and the HF engine's log-probs against a plain forward
-pass."""
+loss masks, statuses, the batch builder, the HF engine's log-probs against a plain forward pass,
+and the scripts refusing a template that cannot mark turns."""
 
 import os
 import warnings
@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import sampled_runs
+from test_cli import one_line_error, run
 
 from env_server.agents import ONE_ACTION_ERROR
 from env_client import EnvPool, Step
@@ -17,6 +18,7 @@ from engines import HFEngine, Sample
 from rollout import length_buckets
 from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success,
                      rollout, write_log)
+import train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
@@ -175,6 +177,64 @@ def test_a_template_that_rewrites_the_reply_is_refused_when_the_format_is_made()
                          "{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
     with pytest.raises(ValueError, match=r"\(reply 'A' to 'U': '<s>\[INST\] U \[/INST\] A "):
         ChatFormat(tok)
+
+
+def test_a_model_whose_template_cannot_mark_turns_is_one_line_and_leaves_no_run_folder(tmp_path):
+    """A local --model whose chat template does not render a reply as prompt + text (here in
+    Llama-2's form: a space before it, eos after) is refused at parse time, with what it
+    rendered; so is one without a chat template."""
+    from models.names import template_problem
+    from models.tiny import build_tokenizer
+    tok, out = build_tokenizer(["user assistant U A x INST"], vocab_size=300), tmp_path / "run"
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}"
+                         "{{ '<s>[INST] ' + m.content.strip() + ' [/INST]' }}{% else %}"
+                         "{{ ' ' + m.content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+    tok.save_pretrained(tmp_path / "llama2-style")
+    for script in ("train.py", "eval.py", "sft.py"):
+        r = run([script, "--env", "corridor", "--model", str(tmp_path / "llama2-style"),
+                 "--out", str(out)])
+        one_line_error(r, "does not render an assistant turn as prompt + content (reply 'A' "
+                          "to 'U': '<s>[INST] U [/INST] A ")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "no-template")
+    r = run(["train.py", "--env", "corridor", "--model", str(tmp_path / "no-template")])
+    one_line_error(r, f"--model {tmp_path / 'no-template'}: ValueError:")
+    assert not out.exists()
+    tok.chat_template = "{{ raise_exception('') }}"  # an error without a message is one too
+    tok.save_pretrained(tmp_path / "raises")
+    assert template_problem(str(tmp_path / "raises")) == (
+        f"--model {tmp_path / 'raises'}: TemplateError: ")
+
+
+def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, monkeypatch):
+    """A hub model's template is first seen when train.py's setup, eval.py or sft.py loads it:
+    each refuses it in one line before writing anything (a local folder, its flag-time check turned
+    off, stands in for the hub model)."""
+    import models.names
+    from models.tiny import build_tokenizer
+    tok, out = build_tokenizer(["user assistant U A x"], vocab_size=300), tmp_path / "run"
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    tok.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(models.names, "template_problem", lambda folder: None)
+    cfg = train.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"), "--out",
+                            str(out)])
+    with pytest.raises(SystemExit) as e:
+        train.main(cfg)
+    refused = f"--model {tmp_path / 'model'}: TemplateError: roles must alternate"
+    assert str(e.value) == refused and not out.exists()
+    import eval as evaluation
+    cfg = evaluation.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"),
+                                 "--out", str(tmp_path / "eval.json")])
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(cfg)
+    assert str(e.value) == refused
+    from recipes import sft
+    cfg = sft.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"), "--out",
+                          str(tmp_path / "sft")])
+    with pytest.raises(SystemExit) as e:
+        sft.main(cfg)
+    assert str(e.value) == refused
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # no run folder, eval file, sft model
 
 
 def test_statuses_and_env_errors(textcraft_url):

@@ -57,6 +57,7 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far beyond any clip range, still finite in float32
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a forward reads of a row
 
 
 def _f32(x) -> torch.Tensor:
@@ -480,8 +481,7 @@ def value_loss(values, old_values, returns, loss_mask, clip: float = 0.2,
     """Clipped value loss (PPO2's baselines; Ziegler et al. 2019 for LLMs):
         V_clip = V_old + clip(V - V_old, -clip, clip)
         L_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)
-    values (with grad), old_values, returns, loss_mask (B, T) -> (loss, stats: clip_frac,
-    values_mean)."""
+    values (with grad), old_values, returns, loss_mask (B, T) -> (loss, stats)."""
     v, v_old, ret = values.float(), _f32(old_values), _f32(returns)
     v_clipped = v_old + (v - v_old).clamp(-clip, clip)
     err_unclipped, err_clipped = (v - ret) ** 2, (v_clipped - ret) ** 2
@@ -551,7 +551,7 @@ def token_logprobs(model, rows: dict, temperature: float, mask=None,
     attention_mask, position_ids (b, T)) -> (b, T-1), and entropies: the PPO ratio's
     numerator. With `mask` (b, T-1), where head_split_ok, the LM head (b x T x V, a small
     model's largest tensor) runs on the masked positions alone (0 elsewhere)."""
-    ids = {k: rows[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    ids = {k: rows[k] for k in INPUTS}
     targets = rows["input_ids"][:, 1:]
     sel = None if mask is None or not head_split_ok(model) else mask > 0
     if sel is None:

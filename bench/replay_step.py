@@ -88,7 +88,7 @@ def probe_nll(model, rows, pad: int, temperature: float) -> float:
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for i in range(len(rows)):
-            mb = {k: batch[k][i:i + 1] for k in ("input_ids", "attention_mask", "position_ids")}
+            mb = {k: batch[k][i:i + 1] for k in algos.INPUTS}
             lp, _ = token_logprobs(model, mb, temperature, mask=mask[i:i + 1])
             total, tokens = total - float(lp.sum()), tokens + float(mask[i].sum())
     return total / max(tokens, 1.0)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from algos import INPUTS  # noqa: E402
 from models.builtin import resolve  # noqa: E402
 from trainer.distributed import Precision  # noqa: E402
 from models.policy import (load_model, load_tokenizer,  # noqa: E402
@@ -63,7 +64,7 @@ def main() -> None:
     lengths = batch["attention_mask"].sum(-1).tolist()
     with torch.no_grad():
         for bucket in length_buckets(lengths, a.micro_batch_tokens):
-            mb = {k: batch[k][bucket] for k in ("input_ids", "attention_mask", "position_ids")}
+            mb = {k: batch[k][bucket] for k in INPUTS}
             trainer[bucket] = token_logprobs(model, mb, a.temperature, mask=mask[bucket])[0]
     sel = mask > 0
     diff = (trainer - sampler)[sel].double()

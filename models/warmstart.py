@@ -37,6 +37,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from algos import INPUTS
 from env_server.agents import GUESS_THOUGHT, STALL_THOUGHT, opens_by_guessing, react_reply
 from env_client import Step
 from trainer.tasks import spread
@@ -192,8 +193,7 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat,
 def micro_rows(batch: dict, idx: list[int], device) -> dict:
     """Rows `idx` of a build_batch() batch on `device`, cut to their longest row."""
     T = int(batch["attention_mask"][idx].sum(-1).max())  # cut the micro-batch's padding
-    keys = ("input_ids", "attention_mask", "position_ids", "loss_mask")
-    return {k: batch[k][idx, :T].to(device) for k in keys}
+    return {k: batch[k][idx, :T].to(device) for k in (*INPUTS, "loss_mask")}
 
 
 def warmup_cosine(i: int, total: int, warmup: float = 0.05) -> float:

@@ -375,8 +375,6 @@ class Interrupts:
 # ================================================================ the update's machinery
 # off: idle rows are forwarded too, to the same update (tests/test_plain_layers.py)
 SKIP_IDLE = True
-# what a forward pass reads of a row
-INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 class Rows:
@@ -401,10 +399,10 @@ class Rows:
         return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
 
     def cut(self, idx: list[int]) -> tuple[dict, torch.Tensor]:
-        """Rows `idx` cut to the longest, t tokens (no column of padding only): INPUTS (b, t)
-        and the loss mask (b, t-1), shifted as the log-probs are (token j+1's at j)."""
+        """Rows `idx` cut to the longest, t tokens (no column of padding only): algos.INPUTS
+        (b, t) and the loss mask (b, t-1), shifted as the log-probs (token j+1's at j)."""
         t = max(self.lengths[i] for i in idx)
-        inputs = {k: self.batch[k][idx, :t] for k in INPUTS}
+        inputs = {k: self.batch[k][idx, :t] for k in algos.INPUTS}
         return inputs, self.batch["loss_mask"][idx, 1:t]
 
     def passes(self, fn, skip=frozenset()) -> torch.Tensor:

@@ -38,9 +38,8 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
    is its change of the trajectory's reward (`Trajectory.turn_rewards`): 0 for a turn without
    an env step and, when an agent retries, minus the discarded attempt's reward on the turn
    that ended it: a row's turn rewards sum to its outcome. (c) Both levels divide by the
-   group's std plus GRPO's eps (norm_std=False: mean only); the episode level keeps
-   departure 4, the step level gives an anchor group of one 0. (d) gamma: the caller's
-   (trainer 1, paper 0.95).
+   group's std plus GRPO's eps (norm_std=False: mean only); the episode level keeps departure
+   4, the step level gives an anchor group of one 0. (d) gamma: --gamma 1, the paper's 0.95.
 10. GiGPO's episode mean and std are over a group's trajectories (Eq. 3); verl-agent's gigpo
    core (compute_mean_std_cross_steps=True, its default) takes them over step rows, one per
    turn: in one group, outcome only, mean normalisation, a 1-turn trajectory scoring 1 and a
@@ -361,15 +360,16 @@ class AdvantageInputs:
 class Estimator:
     fn: Callable[[AdvantageInputs], tuple]
     critic: bool = False  # needs values from a critic, and returns its targets
+    grouped: bool = False  # a tied group gets no advantage: dynamic sampling may replace it
 
 
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_estimator(name: str, critic: bool = False):
+def register_estimator(name: str, critic: bool = False, grouped: bool = False):
     """Decorator: --algo `name` is `fn(AdvantageInputs) -> (advantages, returns | None)`."""
     def add(fn):
-        ESTIMATORS[name] = Estimator(fn, critic)
+        ESTIMATORS[name] = Estimator(fn, critic, grouped)
         return fn
     return add
 
@@ -381,17 +381,17 @@ def estimator(name: str) -> Estimator:
     return ESTIMATORS[name]
 
 
-@register_estimator("grpo")  # the group-normalised outcome on every sampled token
+@register_estimator("grpo", grouped=True)  # the group-normalised outcome, every sampled token
 def _grpo(x: AdvantageInputs):
     return grpo_advantages(x.scores, x.group_ids)[:, None] * x.mask, None
 
 
-@register_estimator("dr_grpo")  # without the std; pair with --loss-agg seq_mean_token_sum
+@register_estimator("dr_grpo", grouped=True)  # no std: with --loss-agg seq_mean_token_sum
 def _dr_grpo(x: AdvantageInputs):
     return grpo_advantages(x.scores, x.group_ids, norm_std=False)[:, None] * x.mask, None
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", grouped=True)
 def _rloo(x: AdvantageInputs):
     return rloo_advantages(x.scores, x.group_ids)[:, None] * x.mask, None
 
@@ -409,7 +409,7 @@ def _gae(x: AdvantageInputs):
     return x.whiten(adv, x.mask), returns
 
 
-@register_estimator("gigpo")
+@register_estimator("gigpo", grouped=True)
 def _gigpo(x: AdvantageInputs):
     return gigpo_advantages(x.scores, x.group_ids, x.mask, x.turn_ids, x.state_keys,
                             x.turn_rewards, x.gamma, x.step_adv_weight), None

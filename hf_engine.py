@@ -39,7 +39,8 @@ class HFEngine:
     """Log-probs are the tempered distribution's, log softmax(logits / T), before top-p
     truncation: the trainer computes its own alike, so the PPO ratio is 1 on-policy.
     `static_cache=False` (a growing cache: no reuse) and `compact=False` turn a feature off.
-    The methods are VLLMEngine's; `sync_weights` and `sleep` have nothing to copy or free."""
+    The methods are VLLMEngine's; `sync_weights` has nothing to copy, `sleep` drops the kept
+    KV cache (`forget`)."""
 
     def __init__(self, model, pad_id: int, max_batch: int = 64, static_cache: bool = True,
                  compact: bool = True):

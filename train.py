@@ -87,7 +87,7 @@ def main(cfg: config.Config) -> dict:
                     m.update(update(run, rows, adv, returns, values))
                 guard(run, step, m)  # --max-update-kl: too far a move halves later rates
                 m["time_update_s"] = time.time() - t1
-                # ---- the sampler gets the new weights (HF samples with this very module)
+                # ---- the sampler gets the weights (HF: has them, drops its KV cache)
                 seconds = run.engine.sync_weights(run.prec.model) if trainable else 0.0
                 m["time_sync_s"] = seconds  # what copying them took (no update: nothing new)
                 run.log(step, m)  # metrics.jsonl, reporters; a stop now saves this step
@@ -166,7 +166,7 @@ def guard(run, step: int, m: dict) -> None:
 
 # ================================================================ one update
 def advantages(run, rows: layer.Rows) -> tuple:
-    """(advantages, returns, values), each (B, T-1) on sampled tokens, by --algo's estimator.
+    """(advantages, returns, values), each (rows, T-1) on sampled tokens, by --algo.
     Whitening sees every rank's tokens (global_whiten), as one process with all rows would."""
     cfg, batch, trajs = run.cfg, rows.batch, rows.trajs
     mask = batch["loss_mask"][:, 1:]  # token t+1's at t, where its logits are
@@ -190,12 +190,12 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     its share (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP)."""
     cfg, world, B = run.cfg, ranks.world_size(), rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are
-    mask = rows.batch["loss_mask"][:, 1:]  # (B, T-1)
+    mask = rows.batch["loss_mask"][:, 1:]  # (rows, T-1): B, and torchrun's blank row
     sampler_lp = rows.batch["old_logprobs"][:, 1:]
     idle = layer.idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: skipped
     ref_lp = None if run.ref is None else logprobs(run, run.ref, rows)  # the initial policy's
     # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
-    # numbers, in fp32 (HF or vLLM: 3.4e-6 apart a token, bench/sampler_gap.py); else the
+    # numbers, in fp32 (HF 9e-6 apart a token, vLLM 3.4e-6: bench/sampler_gap.py); else the
     # trainer's, recomputed: in bf16 a cached decode and a whole-row forward round differently
     # (0.04 a token), vLLM renormalises a top_p < 1 nucleus, and --tis-cap compares the two.
     recompute = (cfg.tis_cap is not None or run.compute_dtype != torch.float32
@@ -233,7 +233,7 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
 
 
 def logprobs(run, model, rows: layer.Rows, skip=frozenset()) -> torch.Tensor:
-    """`model`'s log-probs of the rows' tokens, (B, T-1), without gradients (0 on `skip`)."""
+    """`model`'s log-probs of the rows' tokens, (rows, T-1), no gradients (0 on `skip`)."""
     t = run.cfg.temperature
     return rows.passes(lambda mb, m: token_logprobs(model, mb, t, mask=m)[0], skip)
 

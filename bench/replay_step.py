@@ -177,10 +177,11 @@ def main() -> None:
         sel = mask > 0
         vs_own = float(algos.kl_penalty(own_lp, lp, "k3", None)[sel].mean()) if sel.any() else 0.0
         name = " ".join(flags) or "(the run's own settings)"
-        kl = m["update_kl"]
-        print(f"{name[:42]:42s} {kl if kl is not None else float('nan'):10.2e} {before:8.4f} -> "
-              f"{after:8.4f} {m['clip_frac']:9.3f} {m['grad_norm']:9.3f} {seconds:5.0f} "
-              f"{vs_own:9.2e}", flush=True)
+        kl, clip = m["update_kl"], m["clip_frac"]  # None: no row moved
+        nan = float("nan")
+        print(f"{name[:42]:42s} {nan if kl is None else kl:10.2e} {before:8.4f} -> "
+              f"{after:8.4f} {nan if clip is None else clip:9.3f} {m['grad_norm']:9.3f} "
+              f"{seconds:5.0f} {vs_own:9.2e}", flush=True)
         results.append({"setting": name, "lr": lr, "update_kl": kl, "probe_nll_before": before,
                         "probe_nll_after": after, "clip_frac": m["clip_frac"],
                         "grad_norm": m["grad_norm"],

@@ -1,6 +1,6 @@
 r"""How far the sampler's log-probs lie from the trainer's on recorded rows: whether the update must
 recompute the PPO ratio's old log-probs (train.update recomputes them where the compute dtype is not
-fp32, or with --tis-cap).
+fp32, with --tis-cap, or for vLLM with top_p < 1).
 
     python bench/sampler_gap.py RUN/rollouts/step_000001.jsonl --env textcraft \
         --model smollm2-135m-sft

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import algos
+import train
+from test_cli import one_line_refusal
 
 T_ = torch.tensor
 
@@ -418,6 +420,35 @@ def test_non_finite_scores_are_refused_not_spread(bad):
     for name in algos.ESTIMATORS:
         with pytest.raises(ValueError, match="must be finite"):
             algos.estimator(name).fn(x)
+
+
+def test_an_estimator_is_grouped_exactly_when_a_tied_group_gets_no_advantage():
+    """Dynamic sampling replaces tied groups, so trainer/config.py keeps it to `grouped`
+    estimators. A group all 1 and one all 0 (two turns, reward at the end): GRPO, RLOO and GiGPO
+    give them nothing; REINFORCE++'s whitened batch and PPO's critic do."""
+    scores, groups = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    tid = torch.tensor([[-1, 0, 0, -1, 1]] * 4)  # the turn of each token; -1: not sampled
+    x = algos.AdvantageInputs(scores, groups, (tid >= 0).float(), torch.zeros(4, 5),
+                              turn_ids=tid, state_keys=[["start", "mid"]] * 4,
+                              turn_rewards=[[0.0, float(s)] for s in scores])
+    for name in ("grpo", "dr_grpo", "rloo", "gigpo", "reinforce_pp", "ppo"):
+        adv, _ = algos.estimator(name).fn(x)
+        assert bool((adv == 0).all()) == algos.estimator(name).grouped, name
+
+
+def test_dynamic_sampling_keeps_to_group_relative_estimators(tmp_path, capsys):
+    """A tied group carries signal where the baseline is not the group's (REINFORCE++'s whitened
+    batch, PPO's critic): --dynamic-sampling is refused there in one line, and --model's
+    default leaves it off."""
+    for algo in ("reinforce_pp", "ppo"):
+        one_line_refusal(["--env", "corridor", "--algo", algo, "--dynamic-sampling"],
+                         f"--dynamic-sampling with --algo {algo}: its advantages are not "
+                         "relative to the group", capsys)
+    model = tmp_path / "sft-mygame"
+    model.mkdir()
+    for algo, on in (("ppo", False), ("reinforce_pp", False), ("grpo", True), ("gigpo", True)):
+        cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--algo", algo])
+        assert cfg.dynamic_sampling is on, algo
 
 
 def test_a_tied_group_of_any_score_gets_exactly_zero():

@@ -62,11 +62,13 @@ def test_each_algo_runs_two_steps(tmp_path, cache_dir, algo, extra):
             and "update of 4 trajectories" in shown)
     m = metrics(out)
     assert [x["step"] for x in m] == [1, 2] and [x["max_turns"] for x in m] == [2, 3]
-    for key in ("reward_mean", "success_rate", "turns_mean", "status_done", "loss", "kl", "entropy",
+    assert ("kl" in m[-1]) == ("--kl-coef" in extra)  # a KL term with a reference model only
+    for key in ("reward_mean", "success_rate", "turns_mean", "status_done", "loss", "entropy",
                 "grad_norm",
                 "tokens_per_s", "time_rollout_s", "time_update_s", "padding_share", "logprob_diff"):
         assert key in m[-1], key
-    assert m[0]["logprob_diff"] < 1e-4  # the trainer scores sampled tokens as the sampler did
+    # the trainer scores sampled tokens as the sampler did (None: every row idle, none scored)
+    assert all(x["logprob_diff"] < 1e-4 for x in m if x["logprob_diff"] is not None)
     if algo == "ppo":
         assert "value_loss" in m[-1]
         # cosine from --lr down to --lr/steps
@@ -450,3 +452,19 @@ def test_by_default_a_checkpoint_every_5_steps_and_at_the_end(tmp_path, cache_di
     finally:
         torch.set_num_threads(before)
     assert saved == [5, 6]
+
+
+def test_an_update_with_every_row_idle_logs_none_where_nothing_was_measured():
+    """A step whose rows all carry no signal forwards none: its loss, 0, is exact, but the
+    entropy, clip statistics, sampler gap and padding share were not measured (not 0, nor a
+    padding share of 1); a KL term is logged only with a reference model, as the value loss
+    only with a critic."""
+    stats = run_layer.UpdateStats()
+    stats.grad_norms = [0.0]
+    m = stats.metrics(SimpleNamespace(model=object(), ref=None, critic=None), 1, idle=4)
+    assert m["loss"] == 0 and "kl" not in m and "value_loss" not in m
+    for k in ("entropy", "clip_frac", "approx_kl", "logprob_diff", "logprob_kl", "padding_share"):
+        assert m[k] is None, k
+    assert m["train_tokens"] == 0 and m["idle_rows"] == 4
+    m = stats.metrics(SimpleNamespace(model=object(), ref=object(), critic=None), 1, idle=4)
+    assert m["kl"] == 0

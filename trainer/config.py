@@ -58,7 +58,8 @@ class Config(Shared):
     critic_lr: float = arg(1e-4, "critic learning rate (PPO)", group='algorithm')
     lr_decay: str = arg(
         "none", "learning rates over the steps: none (constant), linear or cosine from --lr "
-                "at step 1 down to --lr/steps at the last (lr_at)",
+                "at step 1 (times --warmup-steps' ramp) down to --lr/steps at the last "
+                "(lr_at)",
         choices=["none", "linear", "cosine"], group='algorithm')
     weight_decay: float = arg(0.0, "AdamW weight decay", group='algorithm')
     ppo_epochs: int = arg(1, "passes over each batch", group='algorithm')
@@ -83,7 +84,8 @@ class Config(Shared):
     kl_kind: str = arg("k3", "KL estimator", choices=["k1", "k2", "k3"], group='algorithm')
     entropy_coef: float = arg(0.0, "entropy bonus coefficient", group='algorithm')
     gamma: float = arg(
-        1.0, "discount over sampled tokens (REINFORCE++, PPO)", group='algorithm')
+        1.0, "discount over sampled tokens (REINFORCE++, PPO) or turns (GiGPO's step level)",
+        group='algorithm')
     lam: float = arg(1.0, "GAE lambda (PPO)", group='algorithm')
     step_adv_weight: float = arg(
         1.0, "GiGPO: weight of the step-level advantage added to the episode's (GiGPO's "
@@ -251,6 +253,14 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         cfg.mini_batch_size = max(world, quarter // world * world)
     if cfg.dynamic_sampling and world > 1 and "dynamic_sampling" not in p.given:
         cfg.dynamic_sampling = False  # a default (or a resumed run's), where it cannot run
+    if cfg.dynamic_sampling and not algos.estimator(cfg.algo).grouped:
+        if "dynamic_sampling" in p.given:
+            p.error(f"--dynamic-sampling with --algo {cfg.algo}: its advantages are not "
+                    "relative to the group, so a tied group still carries signal and must "
+                    "not be replaced; drop the flag, or use a group-relative --algo ("
+                    + ", ".join(n for n, e in sorted(algos.ESTIMATORS.items()) if e.grouped)
+                    + ")")
+        cfg.dynamic_sampling = False  # the real-model default is for group-relative ones
     if cfg.resample == "extend" and not cfg.dynamic_sampling:
         p.error("--resample extend is a kind of dynamic sampling, which is off: add "
                 "--dynamic-sampling")

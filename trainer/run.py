@@ -378,8 +378,8 @@ SKIP_IDLE = True
 
 
 class Rows:
-    """A step's trajectories as a padded batch on the device (under torchrun, plus a blank row
-    at index B), and their micro-batches of similar length, each <= --micro-batch-tokens."""
+    """A step's trajectories as a padded batch on the device (torchrun: plus a blank row at
+    index B), in micro-batches of similar length, <= --micro-batch-tokens each or one row."""
 
     def __init__(self, run, trajs: list[Trajectory]):
         self.B, self.max_tokens = len(trajs), run.cfg.micro_batch_tokens
@@ -463,17 +463,17 @@ class UpdateStats:
             acc["mismatch_tokens"] += sampled
 
     def metrics(self, run, n_steps: int, idle: int) -> dict:
+        """The update's metrics; a mean over nothing measured (rows all idle): None, not 0."""
         tot = dict(zip(self.acc, all_sum(list(self.acc.values()))))
-        keys = ("loss", "entropy", "kl") + (("value_loss",) if run.critic is not None else ())
-        out = {k: tot[k] / n_steps for k in keys}
-        # the entropy of the rows forwarded (idle rows: 0 in the loss, exact; entropy unknown)
-        out["entropy"] = tot["entropy"] / max(tot["share"], 1e-12)
-        out.update({k: tot[k] / max(tot["sampled"], 1) for k in ("clip_frac", "approx_kl")})
-        # KL(sampler || trainer) on the sampled tokens: k3 of log(pi_trainer / pi_sampler)
-        out.update({k: tot[k] / max(tot["mismatch_tokens"], 1)
-                    for k in ("logprob_diff", "logprob_kl")})
+        terms = {"loss": run.model, "kl": run.ref, "value_loss": run.critic}  # with a model
+        out = {k: tot[k] / n_steps for k, model in terms.items() if model is not None}
+        # means over what was measured: the forwarded rows' entropy, the clip statistics and
+        # KL(sampler || trainer) (k3 of log(pi_trainer / pi_sampler)) per sampled token
+        per = {"entropy": "share", "clip_frac": "sampled", "approx_kl": "sampled",
+               "logprob_diff": "mismatch_tokens", "logprob_kl": "mismatch_tokens"}
+        out.update({k: tot[k] / tot[n] if tot[n] else None for k, n in per.items()})
         out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
-        out["padding_share"] = 1 - tot["real"] / max(tot["padded"], 1)
+        out["padding_share"] = 1 - tot["real"] / tot["padded"] if tot["padded"] else None
         out["train_tokens"] = int(tot["real"])
         out["idle_rows"] = all_sum([float(idle)])[0]
         return out

@@ -173,7 +173,8 @@ class BabyAIEnv(Expert, Env):
         return list(self._analyse()["actions"])
 
     def detail(self) -> dict:
-        self._require_task()
+        if self._env is None:
+            return {"task_id": None, "done": False}
         env = self._env
         return {
             "task_id": self.idx, "level": self.level, "seed": self.seed, "mission": env.mission,

@@ -33,6 +33,8 @@ def test_every_endpoint(server):
     status, c = raw(url, "POST", "/create", {})
     assert status == 200 and isinstance(c["id"], int)
     iid, task = c["id"], t["splits"]["test"][0]
+    status, d = raw(url, "GET", f"/detail?id={iid}")  # asked before the first reset too
+    assert status == 200 and d["task"] is None and d["task_id"] is None
     status, r = raw(url, "POST", "/reset", {"id": iid, "data_idx": task})
     assert status == 200 and r["observation"] and r["done"] is False
     status, obs = raw(url, "GET", f"/observation?id={iid}")

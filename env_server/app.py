@@ -378,7 +378,10 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
                 log.exception("batch op %r failed", item.get("op"))
                 return {"error": f"internal error: {type(e).__name__}: {e}", "status": 500}
 
-        results = runner.run([lambda x=x: run_one(x) for x in items])
+        # one instance's ops play in the batch's order, other instances' beside them
+        keys = [named_instance(x) for x in items]
+        results = runner.run([lambda x=x: run_one(x) for x in items],
+                             [k if isinstance(k, int) else None for k in keys])
         for item, r in zip(items, results):
             if isinstance(r, Hung):
                 reg.mark_hung(named_instance(item))

@@ -47,12 +47,13 @@ class Hung(Exception):
 class Runner:
     """Runs calls into games on worker threads, each call under a deadline.
 
-    `run(calls)` splits the list into `threads` contiguous slices played in parallel (one slice: in
-    order, on one thread, as GIL-bound games want); each call's result, or the exception it raised,
-    comes back in place. A call still running `timeout_s` after it started gets a `Hung` result: its
-    thread is left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh
-    one, and the caller marks the instance hung. The executor grows a new thread whenever none is
-    idle.
+    `run(calls, keys)` deals the calls out to `threads` slices played in parallel, each slice in
+    the list's order on one thread (one slice: all in order, as GIL-bound games want). Calls with
+    the same key (an instance id) go to the same slice, so they play in the list's order; calls
+    without keys go in contiguous runs. Each call's result, or the exception it raised, comes back
+    in place. A call still running `timeout_s` after it started gets a `Hung` result: its thread
+    is left behind (Python cannot stop a thread), the rest of its slice goes on on a fresh one, and
+    the caller marks the instance hung. The executor grows a new thread whenever none is idle.
 
     Only a call's own time counts: while it waits for another call (inside `waiting()`: the
     instance's lock, see Registry.hold) its deadline is off, and it starts afresh when the wait
@@ -84,13 +85,20 @@ class Runner:
             with self.lock:
                 state[2] = time.monotonic()
 
-    def run(self, calls: list) -> list:
+    def run(self, calls: list, keys: list | None = None) -> list:
         if not calls:
             return []
         results: list = [None] * len(calls)
         size = -(-len(calls) // self.threads)
-        # future -> its slice's progress [next index, end, start time of the current call (None
-        # while it waits), abandoned]
+        # a key's calls, keys in order of first call; a call without a key: its contiguous run
+        groups: dict = {}
+        for j, key in enumerate(keys or [None] * len(calls)):
+            groups.setdefault(("run", j // size) if key is None else key, []).append(j)
+        slices: list[list[int]] = [[] for _ in range(self.threads)]
+        for group in groups.values():
+            min(slices, key=len).extend(group)
+        # future -> its slice's progress [position in it, its call indices (in order), start time
+        # of the current call (None while it waits), abandoned]
         jobs = {}
 
         def play(state):
@@ -98,9 +106,9 @@ class Runner:
             try:
                 while True:
                     with self.lock:
-                        if state[3] or state[0] >= state[1]:
+                        if state[3] or state[0] >= len(state[1]):
                             return
-                        j, state[2] = state[0], time.monotonic()
+                        j, state[2] = state[1][state[0]], time.monotonic()
                     try:
                         r = calls[j]()
                     except Exception as e:
@@ -108,16 +116,17 @@ class Runner:
                     with self.lock:
                         if state[3]:  # declared hung meanwhile: its result went out as Hung
                             return
-                        results[j], state[0] = r, j + 1
+                        results[j], state[0] = r, state[0] + 1
             finally:
                 self._local.state = None
 
-        def start(lo: int, hi: int):
-            state = [lo, hi, time.monotonic(), False]
+        def start(indices: list[int]):
+            state = [0, indices, time.monotonic(), False]
             jobs[self.pool.submit(play, state)] = state
 
-        for lo in range(0, len(calls), size):
-            start(lo, min(lo + size, len(calls)))
+        for indices in slices:
+            if indices:
+                start(sorted(indices))
         while jobs:
             now = time.monotonic()
             with self.lock:  # calls that wait have no deadline yet: look again after a full timeout
@@ -130,18 +139,18 @@ class Runner:
             now = time.monotonic()
             for f, state in list(jobs.items()):
                 with self.lock:
-                    late = (not f.done() and state[0] < state[1] and state[2] is not None
+                    late = (not f.done() and state[0] < len(state[1]) and state[2] is not None
                             and now - state[2] > self.timeout_s)
                     if late:
                         state[3] = True
                         self.abandoned += 1
                 if late:
                     del jobs[f]
-                    j = state[0]
-                    results[j] = Hung(f"the game did not answer within {self.timeout_s:g} s "
-                                      "(--op-timeout)")
-                    if j + 1 < state[1]:
-                        start(j + 1, state[1])
+                    rest = state[1][state[0]:]
+                    results[rest[0]] = Hung(f"the game did not answer within {self.timeout_s:g} s "
+                                            "(--op-timeout)")
+                    if len(rest) > 1:
+                        start(rest[1:])
         return results
 
 

@@ -11,6 +11,7 @@ from conftest import raw
 from toy_env import CounterEnv
 
 from env_server.app import create_app, serve_in_thread, serve_wsgi_in_thread
+from env_server.base import StepResult
 
 
 def test_health_and_tasks(toy_server):
@@ -337,6 +338,40 @@ def test_batch_mixes_ops_and_isolates_failures(toy_server):
     assert r[6]["status"] == 400 and r[7]["status"] == 400
     assert r[8]["status"] == 500 and "a bug in the game" in r[8]["error"]
     assert r[9] is True
+
+
+def test_batch_plays_each_instance_s_ops_in_order_and_instances_side_by_side():
+    """A game that plays batches on many threads (SearchQA, SciWorld) still plays one instance's
+    ops in the batch's order, while other instances' ops run beside them: instance 1 waits, inside
+    a step, for a step of instance 2 listed after it."""
+    signal = threading.Event()
+
+    class Threaded(CounterEnv):
+        batch_threads = 8
+
+        def step(self, action):
+            if action == "wait":
+                return StepResult(f"signalled: {signal.wait(30)}", 0.0, False)
+            if action == "signal":
+                signal.set()
+            time.sleep(0.01)  # long enough for the batch's threads to queue for the instance
+            return super().step(action)
+
+    url, stop = serve_in_thread(Threaded, first_id=0)
+    try:
+        for _ in range(3):
+            raw(url, "POST", "/create", {"data_idx": 19})  # endless
+        ops = [{"op": "step", "id": 0, "action": f"add {k}"} for k in range(1, 25)]
+        ops += [{"op": "step", "id": 1, "action": "wait"},
+                {"op": "step", "id": 2, "action": "signal"}]
+        status, out = raw(url, "POST", "/batch", {"ops": ops})
+        assert status == 200
+        assert [r["observation"] for r in out["results"][:24]] == [
+            f"Total: {k * (k + 1) // 2}" for k in range(1, 25)]
+        assert out["results"][24]["observation"] == "signalled: True"
+    finally:
+        signal.set()
+        stop()
 
 
 def test_batch_size_limit(make_toy_server):

@@ -28,7 +28,8 @@ a 4xx with `{"error": ...}` (never HTTP 200), and a server bug is a logged 500: 
 dies. A create that carries a `request_key` (a string of the client's choosing, at most 200
 characters) answers the same id for the same key while that instance lives: a client that retries a
 create whose answer it lost gets the instance it made, not a second one holding a slot until the
-reaper comes.
+reaper comes. For the same reason a create with a task whose reset fails closes the instance it
+made (one whose reset hangs answers a 504 naming it).
 
 Instances live in an `instances.Registry`: each has its own lock, so that two requests for the same
 instance never interleave while requests for different instances run in parallel; idle instances are
@@ -243,10 +244,16 @@ def create_app(env_cls: type[Env], world=None, *, max_instances: int = 1024,
         idx = task_id(b, with_id=bare) if given else None
         key = _str(b, "request_key", max_len=200) if "request_key" in b else None
         # with a key seen before: that instance (reset again when a task is given)
-        iid = b[created] = reg.create(key)
+        iid, made = reg.create(key)
+        b[created] = iid
         out = {"id": iid, "observation": "", "reward": 0, "done": False}
         if idx is not None:
-            out = op_reset({"id": iid, "data_idx": idx})
+            try:
+                out = op_reset({"id": iid, "data_idx": idx})
+            except Exception:
+                if made:  # its caller gets no id
+                    reg.discard(iid)
+                raise
         return out
 
     def op_reset(b: dict) -> dict:

@@ -185,10 +185,10 @@ class Registry:
         if idle_timeout_s > 0:
             threading.Thread(target=self._reap_loop, name="env-reaper", daemon=True).start()
 
-    def create(self, key: str | None = None) -> int:
-        """The id of a new instance; with a `key`, that of the live instance a create with this key
-        made, if any: a client retrying a create whose answer it lost must not leave an orphan
-        holding a slot."""
+    def create(self, key: str | None = None) -> tuple[int, bool]:
+        """The id of a new instance, and True; with a `key`, that of the live instance a create with
+        this key made, if any, and False: a client retrying a create whose answer it lost must not
+        leave an orphan holding a slot."""
         while True:
             with self.lock:
                 iid = self.keys.get(key) if key is not None else None
@@ -197,7 +197,7 @@ class Registry:
                     break
                 built = self.building.get(iid)
                 if built is None:
-                    return iid
+                    return iid, False
             # The first create with this key is still making its env: wait for it; if it failed, the
             # key is free again and the next round makes the instance.
             with self.waiting():
@@ -217,7 +217,7 @@ class Registry:
         with self.lock:
             self.instances[iid] = inst
             self.building.pop(iid).set()
-        return iid
+        return iid, True
 
     def _reserve(self, key: str | None) -> int:
         """A new id with its slot (under self.lock): env construction may be slow (a JVM)."""
@@ -295,6 +295,16 @@ class Registry:
         inst = self.get(iid)
         with self.hold(iid, inst):
             self._drop(iid, inst)
+
+    def discard(self, iid: int) -> None:
+        """Close the instance of a create that failed after making it (nobody knows its id), unless
+        closed meanwhile; quietly, so that the create's own error is what its caller reads."""
+        try:
+            self.close(iid)
+        except ApiError:
+            pass
+        except Exception:
+            log.exception("closing instance %d failed", iid)
 
     def _drop(self, iid: int, inst: Instance) -> None:
         """Unlist and close an instance. A hung one is closed on a thread of its own: closing may be

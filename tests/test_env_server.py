@@ -11,7 +11,7 @@ from conftest import raw
 from toy_env import CounterEnv
 
 from env_server.app import create_app, serve_in_thread, serve_wsgi_in_thread
-from env_server.base import StepResult
+from env_server.base import StepResult, TaskError
 
 
 def test_health_and_tasks(toy_server):
@@ -215,6 +215,30 @@ def test_a_key_retried_while_its_create_is_running_waits_for_it():
         finish.set()
         stop()
         reg.stop()
+
+
+def test_a_create_whose_reset_fails_leaves_no_instance():
+    """A create with a task whose reset fails (task 18) answers the error and closes the instance
+    it made: nobody knows its id. An instance an earlier create made, and a retry with its
+    request_key resets, stays."""
+
+    class FailingReset(CounterEnv):
+        def reset(self, idx):
+            if idx == 18:
+                raise TaskError("no room for this game", 503)
+            return super().reset(idx)
+
+    url, stop = serve_in_thread(FailingReset, first_id=0, max_instances=1)
+    try:
+        for body in ({"data_idx": 18}, {"data_idx": 18}, {"data_idx": 18, "request_key": "k"}):
+            status, e = raw(url, "POST", "/create", body)
+            assert status == 503 and e["error"] == "no room for this game", e
+        status, c = raw(url, "POST", "/create", {"data_idx": 0, "request_key": "k"})
+        assert status == 200
+        assert raw(url, "POST", "/create", {"data_idx": 18, "request_key": "k"})[0] == 503
+        assert raw(url, "POST", "/create", {"request_key": "k"})[1]["id"] == c["id"]
+    finally:
+        stop()
 
 
 def test_episode_state_errors(toy_server):

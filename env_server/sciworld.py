@@ -57,10 +57,10 @@ are ignored; after any other action off the path, the gold path no longer applie
 answers None.
 
 JVMs: every instance runs its own simulator JVM, started on its first reset (~2 s) and reused by
-later resets, and shut down by close(). A process runs at most --max-jvms of them (a reset past that
-is a 503) with a heap of at most --jvm-heap-mb each. A JVM that dies (killed, crashed: py4j loses
-its connection) turns into a 503 for its own instance only; the next reset of that instance starts a
-new JVM.
+later resets, and shut down by close() (a JVM still starting then, in a reset past its deadline,
+as soon as it is up). A process runs at most --max-jvms of them (a reset past that is a 503) with a
+heap of at most --jvm-heap-mb each. A JVM that dies (killed, crashed: py4j loses its connection)
+turns into a 503 for its own instance only; the next reset of that instance starts a new JVM.
 """
 
 from __future__ import annotations
@@ -174,6 +174,10 @@ class SciWorldEnv(Env):
         super().__init__(world)
         self._sw = None  # the package's ScienceWorldEnv: one JVM, started on the first reset
         self.idx: int | None = None
+        # _sw and _closed change under it: a call past its deadline may still be starting or
+        # stopping the JVM while close/abandon runs on another thread
+        self._jvm_lock = threading.Lock()
+        self._closed = False
 
     def _start_jvm(self) -> None:
         with SciWorldEnv._jvms_lock:
@@ -189,29 +193,42 @@ class SciWorldEnv(Env):
                 os.environ["JAVA_TOOL_OPTIONS"] = options
         try:
             from scienceworld import ScienceWorldEnv
-            self._sw = ScienceWorldEnv()
+            sw = ScienceWorldEnv()
             # py4j tells the JVM when a Python proxy of a Java object dies, from whichever thread
             # Python's collector happens to run in: with this JVM frozen, that call would block an
             # unrelated request of another instance forever. So the garbage of the start-up is
             # collected now, while the JVM answers, and later proxies are not tracked: the few Java
             # objects a game hands back (action lists) are released with the JVM, when the instance
             # closes.
-            self._sw._gateway._gateway_client.gateway_property.enable_memory_management = False
+            sw._gateway._gateway_client.gateway_property.enable_memory_management = False
             gc.collect()
         except Exception as e:
             self._release_jvm_slot()
             raise TaskError(f"could not start a ScienceWorld JVM: {type(e).__name__}: {e}",
                             503) from e
+        with self._jvm_lock:
+            if not self._closed:
+                self._sw = sw
+                return
+        # closed while the JVM started (a reset past its deadline): nobody else will stop it
+        self._shut_down(sw)
+        raise TaskError("this instance was closed while its ScienceWorld JVM started", 409)
 
     def _release_jvm_slot(self) -> None:
         with SciWorldEnv._jvms_lock:
             SciWorldEnv._jvms_alive -= 1
 
-    def _stop_jvm(self) -> None:
-        """Shut the JVM down (killing it if it does not exit) and give its slot back."""
-        sw, self._sw = self._sw, None
-        if sw is None:
-            return
+    def _stop_jvm(self, closing: bool = False) -> None:
+        """Shut the JVM down, if any, and give its slot back; `closing`: for good, so that a JVM
+        still starting is stopped as soon as it is up."""
+        with self._jvm_lock:
+            sw, self._sw = self._sw, None
+            self._closed = self._closed or closing
+        if sw is not None:
+            self._shut_down(sw)
+
+    def _shut_down(self, sw) -> None:
+        """Shut a JVM down (killing it if it does not exit) and give its slot back."""
         proc = sw._gateway.java_process
         try:
             sw.close()
@@ -358,7 +375,7 @@ class SciWorldEnv(Env):
         self._moves = sw.server.getNumMoves()
 
     def close(self) -> None:
-        self._stop_jvm()
+        self._stop_jvm(closing=True)
 
     def abandon(self) -> None:
         # A hung JVM would hang a polite shutdown too (py4j has no read timeout): kill it first. The
@@ -366,7 +383,7 @@ class SciWorldEnv(Env):
         sw = self._sw
         if sw is not None:
             sw._gateway.java_process.kill()
-        self._stop_jvm()
+        self._stop_jvm(closing=True)
 
 
 def write_splits() -> None:

@@ -16,7 +16,7 @@ from conftest import raw
 
 from env_server.agents import react_reply
 from env_client import EnvClient, EnvError, EnvPool
-from env_server import get_env_class
+from env_server import TaskError, get_env_class
 from env_server.app import ServerProcess
 from env_server.sciworld import EXCLUDED_TYPES, SciWorldEnv
 from rollout import Reply, RolloutConfig, rollout
@@ -128,6 +128,32 @@ def test_shipped_table_matches_the_package_and_close_stops_the_jvm(world, monkey
         env.close()
     assert SciWorldEnv._jvms_alive == alive
     assert sw._gateway.java_process.poll() is not None  # the JVM has exited
+
+
+@needs_jvm
+def test_a_jvm_that_comes_up_after_its_instance_closed_is_stopped(world, monkeypatch):
+    """A reset past the deadline is abandoned, and its instance closed, while its JVM may still be
+    starting: that JVM is stopped once up, and its slot given back."""
+    import scienceworld
+
+    monkeypatch.delenv("JAVA_TOOL_OPTIONS", raising=False)
+    env, started = SciWorldEnv(world), []
+
+    def start_while_closed(*args, **kw):
+        started.append(real(*args, **kw))
+        env.abandon()  # what the server does with a hung instance, here before the JVM is up
+        return started[-1]
+
+    real = scienceworld.ScienceWorldEnv
+    monkeypatch.setattr(scienceworld, "ScienceWorldEnv", start_while_closed)
+    alive = SciWorldEnv._jvms_alive
+    try:
+        with pytest.raises(TaskError, match="closed"):
+            env.reset(0)
+    finally:
+        env.close()
+    assert SciWorldEnv._jvms_alive == alive
+    assert started[0]._gateway.java_process.poll() is not None  # the JVM has exited
 
 
 # ---- the server ----

@@ -3,6 +3,7 @@ import json
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scripts do: cli.cpu_threads says why
+import subprocess
 import sys
 import tempfile
 from urllib.parse import urlsplit
@@ -193,3 +194,24 @@ def train_update(run, trajs):
 
     rows = train.layer.Rows(run, trajs)
     return train.update(run, rows, *train.advantages(run, rows))
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder this process cannot write in: chmod 555, or for root (whom modes do not stop) a
+    read-only tmpfs mounted there; skipped, saying why, where root may not mount."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield str(folder)
+        folder.chmod(0o755)
+        return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no read-only folder: root, and mount failed ({r.stderr.strip()[:100]})")
+    try:
+        yield str(folder)
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)

@@ -253,6 +253,16 @@ def file_in_the_way(folder: str) -> str | None:
     return there if os.path.exists(there) and not os.path.isdir(there) else None
 
 
+def unwritable(path: str) -> str | None:
+    """The folder at or above `path` (a file or folder to make) that this process cannot write
+    in (a read-only mount, no permission), or None: checked before a script does work that it
+    could not save."""
+    there = os.path.abspath(path)
+    while not os.path.isdir(there):
+        there = os.path.dirname(there)
+    return None if os.access(there, os.W_OK | os.X_OK) else there
+
+
 def check_device(p: argparse.ArgumentParser, name: str) -> None:
     """--device names a device this torch has: cuda with a CPU-only build is one line, not a
     traceback."""

@@ -15,7 +15,8 @@ from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
 from trainer.checkpoints import find_checkpoint, load_data
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
-                         check_ranges, check_reporter, file_in_the_way, parse_config)
+                         check_ranges, check_reporter, file_in_the_way, parse_config,
+                         unwritable)
 from trainer.report import REPORTERS
 import trainer.plateau  # noqa: F401,E402  registers --schedule-kind plateau
 
@@ -233,7 +234,7 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         reached = schedule.stage(cfg.steps) + 1
         warn(f"--steps {cfg.steps} reaches {reached} of the {stages} stages of --schedule "
              f"{cfg.schedule}; the later horizons are never played")
-    if cfg.out:
+    if cfg.out is not None:
         check_out(p, cfg.out)
     if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f))
                                           for f in RUN_FILES):
@@ -291,12 +292,17 @@ def flag_text(name: str, value) -> str:
 
 
 def check_out(p, out: str) -> None:
-    """--out a folder that can be made: neither it nor a folder above it a file."""
-    there = file_in_the_way(out)
-    if there == os.path.normpath(out):
+    """--out a folder that can be made: a name, neither it nor a folder above it a file, in a
+    folder this process may write in."""
+    there = file_in_the_way(out) if out.strip() else None
+    if not out.strip():
+        p.error("--out is empty: give the run's folder (or leave --out out for runs/...)")
+    elif there == os.path.normpath(out):
         p.error(f"--out {out} is a file: give the run's folder")
     elif there:
         p.error(f"--out {out}: {there} is a file, not a folder")
+    elif there := unwritable(out):
+        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
 
 
 def check_learnable(p, cfg: Config) -> None:

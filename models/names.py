@@ -6,6 +6,7 @@ imports no builder."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ def check_model(model: str | None) -> str | None:
     if model is None or is_builtin(model):
         return None
     if os.path.isdir(model):
-        return template_problem(model)
+        return template_problem(model) or folder_problem(model)
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
         return (f"--model {model}: no such folder (a local model is a folder with "
                 "config.json and the tokenizer files)")
@@ -61,6 +62,22 @@ def check_model(model: str | None) -> str | None:
         return (f"--model {model}: not a local folder, not in the Hugging Face cache, "
                 f"and {why}")
     return None
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why local folder `folder` is not a model, in one line, or None: a model folder's
+    config.json names its model_type (a run folder's config.json is the run's flags)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            kind = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
+        kind = None
+    if kind:
+        return None
+    model = os.path.join(folder, "checkpoint", "model")
+    hint = (f"a run folder: its model is {model}" if os.path.isdir(model) else
+            "a model folder holds a config.json naming its model_type, and the tokenizer")
+    return f"--model {folder}: not a model folder ({hint})"
 
 
 def template_problem(folder: str) -> str | None:

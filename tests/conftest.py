@@ -215,3 +215,13 @@ def read_only_dir(tmp_path):
         yield str(folder)
     finally:
         subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A local --model as the flags' check sees one (config.json naming its model_type), no
+    weights: for what parse_args alone decides."""
+    folder = tmp_path / "sft-mygame"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return folder

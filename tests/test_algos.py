@@ -436,7 +436,7 @@ def test_an_estimator_is_grouped_exactly_when_a_tied_group_gets_no_advantage():
         assert bool((adv == 0).all()) == algos.estimator(name).grouped, name
 
 
-def test_dynamic_sampling_keeps_to_group_relative_estimators(tmp_path, capsys):
+def test_dynamic_sampling_keeps_to_group_relative_estimators(model_folder, capsys):
     """A tied group carries signal where the baseline is not the group's (REINFORCE++'s whitened
     batch, PPO's critic): --dynamic-sampling is refused there in one line, and --model's
     default leaves it off."""
@@ -444,10 +444,9 @@ def test_dynamic_sampling_keeps_to_group_relative_estimators(tmp_path, capsys):
         one_line_refusal(["--env", "corridor", "--algo", algo, "--dynamic-sampling"],
                          f"--dynamic-sampling with --algo {algo}: its advantages are not "
                          "relative to the group", capsys)
-    model = tmp_path / "sft-mygame"
-    model.mkdir()
     for algo, on in (("ppo", False), ("reinforce_pp", False), ("grpo", True), ("gigpo", True)):
-        cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--algo", algo])
+        cfg = train.parse_args(["--env", "corridor", "--model", str(model_folder), "--algo",
+                                algo])
         assert cfg.dynamic_sampling is on, algo
 
 

@@ -486,11 +486,10 @@ def test_a_checkpoint_folder_is_a_checkpoint_too_for_eval(tmp_path, two_step_run
     assert result["config"]["env"] == "corridor" and result["config"]["max_turns"] == 2
 
 
-def test_the_real_model_defaults_are_named_when_model_sets_them(tmp_path, capsys):
+def test_the_real_model_defaults_are_named_when_model_sets_them(model_folder, capsys):
     """--model (a folder SFT made, say) takes configs/real-model.json's defaults: one line names
     each one set, and none that a flag gave; without --model, no line."""
-    model = tmp_path / "sft-mygame"
-    model.mkdir()
+    model = model_folder
     train.parse_args(["--env", "corridor", "--model", str(model), "--lr", "1e-5"])
     err = capsys.readouterr().err
     assert ("train.py: --model: real-model defaults from configs/real-model.json: --kl-coef 0.0, "

@@ -215,6 +215,7 @@ def test_a_template_seen_only_when_the_run_loads_it_is_one_line_too(tmp_path, mo
     tok, out = build_tokenizer(["user assistant U A x"], vocab_size=300), tmp_path / "run"
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     monkeypatch.setattr(models.names, "template_problem", lambda folder: None)
     cfg = train.parse_args(["--env", "corridor", "--model", str(tmp_path / "model"), "--out",
                             str(out)])

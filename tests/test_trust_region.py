@@ -53,9 +53,8 @@ def test_every_step_logs_how_far_its_update_moved_the_policy(tmp_path):
     assert max(kls["3e-2"]) > 10 * max(kls["3e-4"]), kls
 
 
-def test_a_real_model_gets_the_trust_region_defaults(tmp_path):
-    model = tmp_path / "some-model"
-    model.mkdir()
+def test_a_real_model_gets_the_trust_region_defaults(model_folder):
+    model = model_folder
     cfg = train.parse_args(["--env", "corridor", "--model", str(model), "--batch-size", "8",
                             "--group-size", "4"])
     assert (cfg.lr, cfg.kl_coef, cfg.warmup_steps, cfg.max_update_kl) == (1e-6, 0.0, 3, 0.01)

@@ -103,6 +103,26 @@ def load_data(path: str, **kw):
     except pickle.UnpicklingError as e:
         raise ValueError(f"{path} holds more than plain data, so it is not loaded (it could "
                          f"run code): {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError) as e:  # cut short, damaged, unreadable
+        why = (str(e).splitlines() or [""])[0]
+        raise ValueError(f"{path} cannot be read: {type(e).__name__}: {why[:200]}") from None
+
+
+def weights_problem(folder: str) -> str | None:
+    """Why the model in `folder` (a checkpoint's) cannot be loaded, in one line, or None: no
+    weights file, or one cut short or damaged (its header read, not its tensors)."""
+    from safetensors import safe_open
+
+    files = [f for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
+    if not files:
+        return f"{folder} holds no model weights (*.safetensors)"
+    for name in files:
+        try:
+            with safe_open(os.path.join(folder, name), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001  # safetensors' own error type, any message
+            return f"{os.path.join(folder, name)} cannot be read: {str(e)[:200]}"
+    return None
 
 
 def resume_command(out: str, script: str = "train.py") -> str:
@@ -135,7 +155,7 @@ def read_log(path: str) -> list[dict]:
     rows = []
     for k, (n, line) in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError as e:
             if k < len(lines) - 1:
                 raise ValueError(f"{path}:{n} is not JSON ({e}): mend or remove that "
@@ -143,6 +163,11 @@ def read_log(path: str) -> list[dict]:
             if global_rank() == 0:
                 print(f"{path}:{n}: a line cut short by a crash, dropped: "
                       f"{line.strip()[:60]}", flush=True)
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{n} is not a step's line (an object with its step): "
+                             "mend or remove that line")
+        rows.append(row)
     return rows
 
 

@@ -214,7 +214,9 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None,
     if isinstance(cfg, Shared):  # caps every env client made after (env_client.cap_answers)
         from env_client import cap_answers
 
-        check_ranges(p, cfg, {"env_max_answer_mb": "(0, inf)"})
+        check_ranges(p, cfg, {"env_max_answer_mb": "(0, inf)", "threads": "[0, inf)"})
+        if there := file_in_the_way(cfg.cache_dir):
+            p.error(f"--cache-dir {cfg.cache_dir}: {there} is a file, not a folder")
         cap_answers(cfg.env_max_answer_mb)
     return p, cfg
 

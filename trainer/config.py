@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import algos
 from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
-from trainer.checkpoints import find_checkpoint, load_data
+from trainer.checkpoints import find_checkpoint, load_data, weights_problem
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
                          check_ranges, check_reporter, file_in_the_way, parse_config,
                          unwritable)
@@ -171,7 +171,7 @@ class Config(Shared):
 
 
 # an --out holding one holds a run; a config.json alone does not
-RUN_FILES = ("metrics.jsonl", "checkpoint")
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "checkpoint")
 
 
 def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
@@ -192,7 +192,8 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         "lr": "(0, inf)", "critic_lr": "(0, inf)", "temperature": "(0, inf)",
         "top_p": "(0, 1]", "gamma": "[0, 1]", "lam": "[0, 1]", "weight_decay": "[0, inf)",
         "clip_low": "[0, 1)", "clip_high": "[0, inf)", "tis_cap": "(0, inf)",
-        "kl_coef": "[0, inf)", "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)",
+        "kl_coef": "[0, inf)", "entropy_coef": "[0, inf)", "step_adv_weight": "[0, inf)",
+        "value_clip": "(0, inf)", "max_grad_norm": "(0, inf)",
         "vllm_gpu_memory": "(0, 1]", "vllm_kv_tokens": "[0, inf)",
         "mini_batch_size": "[1, inf)", "dual_clip": "(1, inf)", "eval_every": "[0, inf)",
         "eval_tasks": "[0, inf)", "eval_turns": "[1, inf)", "schedule_every": "[1, inf)",
@@ -236,10 +237,12 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
              f"{cfg.schedule}; the later horizons are never played")
     if cfg.out is not None:
         check_out(p, cfg.out)
-    if cfg.out and not cfg.resume and any(os.path.exists(os.path.join(cfg.out, f))
-                                          for f in RUN_FILES):
+    held = [f for f in RUN_FILES if cfg.out and os.path.exists(os.path.join(cfg.out, f))]
+    if held and not cfg.resume:
         p.error(f"--out {cfg.out} already holds a run: give another folder, or --resume to "
-                "continue that one")
+                "continue that one" if find_checkpoint(cfg.out) else
+                f"--out {cfg.out} holds a run stopped before its first checkpoint "
+                f"({', '.join(held)}): give another folder, or remove that one")
     check_model(p, cfg.model)  # last: it may load a tokenizer (seconds)
     # the settings file's, or the tiny's
     defaults = REAL_MODEL if cfg.model is not None else TINY_MODEL
@@ -266,14 +269,14 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         p.error("--resample extend is a kind of dynamic sampling, which is off: add "
                 "--dynamic-sampling")
     check_learnable(p, cfg)
+    if cfg.resume:
+        check_resume(p, cfg)
     if cfg.model is not None and filled and os.environ.get("RANK", "0") == "0":
         # a model folder made by SFT is a --model too: these are not the tiny model's settings
         settings = os.path.relpath(REAL_MODEL, ROOT)
         print(f"train.py: --model: real-model defaults from {settings}: "
               + ", ".join(flag_text(n, getattr(cfg, n)) for n in filled)
               + " (a flag or --config overrides each)", file=sys.stderr)
-    if cfg.resume:
-        check_resume(p, cfg)
     return cfg
 
 
@@ -328,21 +331,27 @@ def check_learnable(p, cfg: Config) -> None:
 
 
 def check_resume(p, cfg: Config) -> None:
-    """--resume against its checkpoint: another --env or --seed is refused (the checkpoint
-    holds that game's policy and the random streams of that seed); another --batch-size or
-    --group-size is taken with a warning (the run is no longer the one an unbroken run would
-    be); a checkpoint at --steps or past it leaves nothing to do: one line, exit 0, nothing
-    written."""
+    """--resume against its checkpoint: a damaged one, another --env, --seed or --model is
+    refused (the checkpoint holds that model's weights for that game and the random streams of
+    that seed); another --batch-size, --group-size or --algo is taken with a warning (the run
+    is no longer the one an unbroken run would be); a checkpoint at --steps or past it leaves
+    nothing to do: one line, exit 0, nothing written."""
+    ckpt = find_checkpoint(cfg.out)
     try:
-        st = load_data(os.path.join(find_checkpoint(cfg.out), "trainer_state.pt"))
-    except ValueError as e:  # a pickle that would run code is refused, not loaded
+        st = load_data(os.path.join(ckpt, "trainer_state.pt"))
+    except ValueError as e:  # a pickle that would run code, or a damaged file
         p.error(f"--resume: {e}")
+    if not isinstance(st, dict) or "step" not in st:
+        p.error(f"--resume: {ckpt}/trainer_state.pt is not a trainer state")
+    if problem := weights_problem(os.path.join(ckpt, "model")):
+        p.error(f"--resume: {problem}")
     saved = st.get("config", {})
-    for name in ("env", "seed"):
+    for name in ("env", "seed", "model"):
         if name in saved and getattr(cfg, name) != saved[name]:
-            p.error(f"--resume: {cfg.out} is a run of {flag_text(name, saved[name])}, not "
-                    f"{getattr(cfg, name)}: resume it with its own, or start another --out")
-    changed = [n for n in ("batch_size", "group_size")
+            was = flag_text(name, saved[name]) if saved[name] is not None else "the tiny model"
+            p.error(f"--resume: {cfg.out} is a run of {was}, not {getattr(cfg, name)}: "
+                    "resume it with its own, or start another --out")
+    changed = [n for n in ("batch_size", "group_size", "algo")
                if n in saved and getattr(cfg, n) != saved[n]]
     if changed:
         warn(f"--resume: from step {st['step'] + 1} " + ", ".join(

@@ -224,8 +224,9 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
             stats.grad_norms.append(float(norm))
             if run.critic is not None:
                 torch.nn.utils.clip_grad_norm_(run.critic.parameters(), cfg.max_grad_norm)
-            for o in run.optims.values():
-                o.step()
+            if math.isfinite(norm):  # a NaN or inf gradient is not applied: grad_norm says so
+                for o in run.optims.values():
+                    o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
     m = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
     m["update_kl"] = update_kl(run, rows, idle, stats.before)  # for the guard

@@ -2,6 +2,7 @@
 flags are named, and a tiny model learns the Corridor game with GRPO and with PPO."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -468,3 +469,24 @@ def test_an_update_with_every_row_idle_logs_none_where_nothing_was_measured():
     assert m["train_tokens"] == 0 and m["idle_rows"] == 4
     m = stats.metrics(SimpleNamespace(model=object(), ref=object(), critic=None), 1, idle=4)
     assert m["kl"] == 0
+
+
+def test_a_step_whose_gradient_is_not_finite_leaves_the_weights(tmp_path, monkeypatch, cache_dir):
+    """A NaN loss (a NaN coefficient once made one) gives a NaN gradient: the optimizer step is
+    skipped, so the checkpoint holds the start's finite weights, and grad_norm logs the NaN."""
+    from safetensors.torch import load_file
+    real = algos.policy_loss
+
+    def nan_loss(*args, **kw):
+        loss, stats = real(*args, **kw)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(algos, "policy_loss", nan_loss)
+    out = tmp_path / "run"
+    train.main(train.parse_args([*TINY, "--steps", "1", "--entropy-coef", "0.01", "--eval-every",
+                                 "0", "--out", str(out), "--cache-dir", cache_dir]))
+    start = load_file(os.path.join(models.default_model_path("corridor", cache_dir),
+                                   "model.safetensors"))
+    end = load_file(out / "checkpoint" / "model" / "model.safetensors")
+    assert all(torch.equal(end[k], v) for k, v in start.items())
+    assert math.isnan(metrics(str(out))[0]["grad_norm"])

@@ -47,7 +47,8 @@ import torch
 from tqdm import tqdm
 
 from trainer.cli import (Shared, arg, check_env, check_model, check_positive, check_ranges,
-                         check_reporter, cpu_threads, parse_config, resolve_device)
+                         check_reporter, cpu_threads, file_in_the_way, parse_config,
+                         resolve_device, unwritable)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_server.process import serving
 from models.names import chat_format
@@ -294,8 +295,7 @@ def parse_args(argv=None) -> Config:
     if cfg.checked_thoughts and cfg.plain_thoughts:
         p.error("--checked-thoughts adds to the env's reasoning, which --plain-thoughts leaves "
                 "out: give one")
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        p.error(f"--out {cfg.out} is a file: give the folder the model is saved to")
+    check_out(p, cfg.out)
     if cfg.from_log and not os.path.exists(cfg.from_log):
         p.error(f"--from-log: {cfg.from_log} does not exist")
     if cfg.success_only and not (cfg.from_log and cfg.mode == "sft"):
@@ -312,6 +312,23 @@ def parse_args(argv=None) -> Config:
     except ValueError as e:
         p.error(f"--tasks: {e}")
     return cfg
+
+
+def check_out(p, out: str) -> None:
+    """--out a folder the model can be saved to without overwriting anything else: a new or
+    empty one, or one this script saved to before (its sft_summary.json), that can be made and
+    written in; else a one-line exit, before any training."""
+    there = file_in_the_way(out)
+    if there == os.path.normpath(out):
+        p.error(f"--out {out} is a file: give the folder the model is saved to")
+    if there:
+        p.error(f"--out {out}: {there} is a file, not a folder")
+    if there := unwritable(out):
+        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
+    if (os.path.isdir(out) and os.listdir(out)
+            and not os.path.exists(os.path.join(out, "sft_summary.json"))):
+        p.error(f"--out {out} holds files recipes.sft did not save (no sft_summary.json): "
+                "give a new or empty folder, or one recipes.sft saved a model to")
 
 
 def cfg_task_ids(cfg: Config) -> list[int]:

@@ -8,6 +8,7 @@ import os
 
 from test_cli import one_line_refusal
 
+import eval as evaluation
 from recipes import sft
 
 
@@ -29,4 +30,27 @@ def test_sft_refuses_an_out_it_would_overwrite_or_cannot_write(tmp_path, read_on
                      parse)
     one_line_refusal([*flags, os.path.join(read_only_dir, "m")],
                      f"{read_only_dir} cannot be written in", capsys, parse)
+
+
+def test_eval_refuses_an_out_or_curriculum_it_cannot_write_before_playing(
+        tmp_path, read_only_dir, capsys, monkeypatch):
+    """A folder, "", a folder that cannot be written in; a --curriculum under a file or naming
+    the result itself (which it would replace): refused with the flags, nothing written."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    flags, parse = ["--env", "corridor", "--limit", "2", "--n", "1"], evaluation.parse_args
+    (here / "d").mkdir()
+    one_line_refusal([*flags, "--out", "d"], "--out d is a folder", capsys, parse)
+    one_line_refusal([*flags, "--out", ""], "--out is empty", capsys, parse)
+    out = os.path.join(read_only_dir, "r.json")
+    one_line_refusal([*flags, "--out", out], f"{read_only_dir} cannot be written in", capsys,
+                     parse)
+    flags = ["--env", "corridor", "--limit", "2", "--n", "2", "--split", "train"]
+    one_line_refusal([*flags, "--out", "r.json", "--curriculum", "r.json"],
+                     "--curriculum r.json is a file --out r.json writes", capsys, parse)
+    (here / "f").write_text("")
+    one_line_refusal([*flags, "--out", "r.json", "--curriculum", "f/c.json"],
+                     f"--curriculum f/c.json: {here / 'f'} is a file", capsys, parse)
+    assert sorted(os.listdir(here)) == ["d", "f"] and os.listdir(read_only_dir) == []
 

@@ -96,7 +96,30 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
     if cfg.out is None:
         cfg.out = (os.path.join(run_settings.run_folder(cfg.checkpoint), f"eval_{cfg.split}.json")
                    if cfg.checkpoint else f"eval_{cfg.env}_{cfg.split}.json")
-    if there := cli.file_in_the_way(os.path.dirname(os.path.abspath(cfg.out))):
-        p.error(f"--out {cfg.out}: {there} is a file, not a folder")
+    check_files(p, cfg)
     eval_outputs.check_partial(p, cfg)  # a cut evaluation in OUT.partial.jsonl has these settings
     return cfg
+
+
+def check_files(p, cfg: EvalConfig) -> None:
+    """--out and --curriculum: files that can be made in folders this process may write in, and
+    not the same file (the task list would replace the result); checked before anything plays,
+    not when the evaluation ends."""
+    named = [("--out", cfg.out, "the result's JSON file")]
+    if cfg.curriculum is not None:
+        named.append(("--curriculum", cfg.curriculum, "the file the task ids are written to"))
+    for flag, path, what in named:
+        if not path.strip():
+            p.error(f"{flag} is empty: give {what}")
+        if os.path.isdir(path):
+            p.error(f"{flag} {path} is a folder: give {what}")
+        if there := cli.file_in_the_way(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{flag} {path}: {there} is a file, not a folder")
+        if there := cli.unwritable(path):
+            p.error(f"{flag} {path}: {there} cannot be written in (read-only or no permission)")
+    if cfg.curriculum is not None:
+        log = os.path.splitext(cfg.out)[0] + ".rollouts.jsonl"
+        mine = {os.path.realpath(x) for x in (cfg.out, log, eval_outputs.partial_path(cfg.out))}
+        if os.path.realpath(cfg.curriculum) in mine:
+            p.error(f"--curriculum {cfg.curriculum} is a file --out {cfg.out} writes: give "
+                    "another path")

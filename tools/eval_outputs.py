@@ -161,8 +161,6 @@ def check_curriculum(p, cfg) -> None:
     if cfg.split == "test":
         p.error("--curriculum: estimate it on the training split (--split train); a list from the "
                 "test split would train on the held-out tasks")
-    if os.path.isdir(cfg.curriculum):
-        p.error(f"--curriculum {cfg.curriculum} is a folder; give a file path")
 
 
 def sometimes_solved(result: dict) -> list:

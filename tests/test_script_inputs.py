@@ -54,3 +54,12 @@ def test_eval_refuses_an_out_or_curriculum_it_cannot_write_before_playing(
                      f"--curriculum f/c.json: {here / 'f'} is a file", capsys, parse)
     assert sorted(os.listdir(here)) == ["d", "f"] and os.listdir(read_only_dir) == []
 
+
+def test_eval_compare_refuses_a_file_named_twice(tmp_path, capsys, monkeypatch):
+    """A result compared with itself, or pooled twice on one side, is refused in one line."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"tasks": [{"item_id": 0, "scores": [1.0]}, {"item_id": 1, "scores": [0.0]}]}))
+    for spec in ("a.json,./a.json", "a.json+a.json,b.json"):
+        one_line_refusal(["--compare", spec], "are one file", capsys, evaluation.parse_args)

@@ -34,6 +34,13 @@ def compare_spec_error(spec: str) -> str | None:
     paths = spec.split(",")
     if len(paths) != 2:
         return f"give two result files as START.json,END.json, not {spec!r}"
+    names = [x for part in paths for x in part.split("+")]
+    seen: dict = {}
+    for path in names:  # by the file it names: ./a.json is a.json
+        if os.path.realpath(path) in seen:
+            return (f"{seen[os.path.realpath(path)]} and {path} are one file: a result "
+                    "compared with itself, or pooled twice; name each file once")
+        seen[os.path.realpath(path)] = path
     ids, games = [set(), set()], {}
     for side, path in ((s, x) for s, part in enumerate(paths) for x in part.split("+")):
         r = read_result(path)

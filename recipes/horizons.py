@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 from recipes.horizons_report import end_result, report, rows, run_name
 from scheduler import horizons, stage_steps
-from trainer.cli import Parser
+from trainer.cli import Parser, file_in_the_way, unwritable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # train.py's flags that the study sets for each run; given after `--` they are refused
@@ -145,8 +145,7 @@ def parse_args(argv=None):
     if mine:
         p.error(f"--{mine[0].replace('_', '-')} is the study's to set for each run: give it "
                 "before `--`, or leave it out")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out {a.out} is a file: give the study's folder")
+    check_out(p, a.out, [run_name(arm, seed) for seed in a.seeds for arm in a.arms])
     from trainer.config import parse_args as train_args  # train.py's parser (imports torch)
 
     a.eval_turns = a.eval_turns or max(k for arm in a.arms for k in horizons(arm))
@@ -170,6 +169,24 @@ def parse_args(argv=None):
     return a
 
 
+def check_out(p, out: str, runs: list[str]) -> None:
+    """--out a folder the study can make and write in, its run folders and logs/ folders where
+    they are there (not files), its held_out_tasks.json not a folder; else one line, naming it."""
+    there = file_in_the_way(out)
+    if there:
+        p.error(f"--out {out} is a file: give the study's folder" if there == os.path.normpath(out)
+                else f"--out {out}: {there} is a file, not a folder")
+    if there := unwritable(out):
+        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
+    for name in [*runs, "logs"]:
+        if os.path.lexists(path := os.path.join(out, name)) and not os.path.isdir(path):
+            p.error(f"--out {out}: {path} is a file where the study's {name} folder goes: move "
+                    "it, or give another --out")
+    if os.path.isdir(path := os.path.join(out, "held_out_tasks.json")):
+        p.error(f"--out {out}: {path} is a folder where the study writes its held-out tasks: "
+                "move it, or give another --out")
+
+
 def run_argv(a, arm: str, seed: int, out: str | None) -> list[str]:
     """train.py's flags for one fresh run of the study."""
     every = stage_steps(arm, a.steps)  # each arm's stages share --steps equally
@@ -190,8 +207,15 @@ def saved_run(out: str) -> bool:
 def check_saved(p, out: str, fresh: dict) -> None:
     """A saved run's config.json against the config this command would give it: any field that
     changes the numbers (not WHERE) differing is refused, naming it."""
-    with open(os.path.join(out, "config.json")) as f:
-        saved = json.load(f)
+    path = os.path.join(out, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        p.error(f"--out: {path} cannot be read ({e}): remove that run folder to train it again")
+    if not isinstance(saved, dict):
+        p.error(f"--out: {path} is not a run's config (a JSON object): remove that run folder "
+                "to train it again")
     for name in sorted(set(fresh) - WHERE):
         if name in saved and saved[name] != fresh[name]:
             p.error(f"--out: {out} was run with {name} = {json.dumps(saved[name])}, this command "

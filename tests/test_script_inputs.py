@@ -5,6 +5,7 @@ tools.plot's --out."""
 
 import json
 import os
+import shutil
 
 from test_cli import one_line_refusal
 
@@ -63,3 +64,25 @@ def test_eval_compare_refuses_a_file_named_twice(tmp_path, capsys, monkeypatch):
             {"tasks": [{"item_id": 0, "scores": [1.0]}, {"item_id": 1, "scores": [0.0]}]}))
     for spec in ("a.json,./a.json", "a.json+a.json,b.json"):
         one_line_refusal(["--compare", spec], "are one file", capsys, evaluation.parse_args)
+
+
+def test_horizons_refuses_a_broken_run_folder_or_an_out_it_cannot_write(tmp_path, read_only_dir,
+                                                                         capsys):
+    """A saved run whose config.json is cut short, a file where a run's folder goes, an --out
+    in a folder that cannot be written in: one line each, before anything is written."""
+    from recipes import horizons
+
+    out, parse = tmp_path / "study", horizons.parse_args
+    flags = ["--env", "corridor", "--arms", "2", "--steps", "1", "--out"]
+    (out / "K2_s0").mkdir(parents=True)
+    (out / "K2_s0" / "config.json").write_text('{"env": "corr')
+    (out / "K2_s0" / "summary.json").write_text("{}")
+    one_line_refusal([*flags, str(out)], f"{out / 'K2_s0' / 'config.json'} cannot be read",
+                     capsys, parse)
+    shutil.rmtree(out / "K2_s0")
+    (out / "K2_s0").write_text("")
+    one_line_refusal([*flags, str(out)], f"{out / 'K2_s0'} is a file", capsys, parse)
+    assert os.listdir(out) == ["K2_s0"]
+    one_line_refusal([*flags, os.path.join(read_only_dir, "s")],
+                     f"{read_only_dir} cannot be written in", capsys, parse)
+

@@ -81,6 +81,10 @@ def main(argv=None) -> None:
         sys.exit(f"python -m env_server: cannot listen on {args.host}:{args.port}: "
                  f"{e.strerror or e} (another server on that port? pick another with --port, or 0 "
                  "for a free one)")
+    except ValueError as e:  # waitress: an address that is no address (999.1.1.1)
+        app.extensions["registry"].stop()
+        sys.exit(f"python -m env_server: cannot listen on {args.host}:{args.port}: {e} (give "
+                 "another --host)")
     # This exact line is how launchers learn the port when --port 0 was asked for.
     print(f"serving {name} on http://{args.host}:{server.effective_port}", flush=True)
     # SIGTERM (what launchers send) unwinds like Ctrl-C, so instances (JVMs, browsers) get closed.

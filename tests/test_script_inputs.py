@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from test_cli import one_line_refusal
+from test_cli import one_line_error, one_line_refusal, run
 
 import eval as evaluation
 from recipes import sft
@@ -85,4 +85,15 @@ def test_horizons_refuses_a_broken_run_folder_or_an_out_it_cannot_write(tmp_path
     assert os.listdir(out) == ["K2_s0"]
     one_line_refusal([*flags, os.path.join(read_only_dir, "s")],
                      f"{read_only_dir} cannot be written in", capsys, parse)
+
+
+def test_viewer_and_env_server_refuse_a_port_or_host_they_cannot_serve_on(tmp_path):
+    """A port outside 0-65535 (99999 served on another port, -1 a traceback) and an address that
+    is no address: one line, not a server somewhere else or a traceback."""
+    for bad, needle in [(["--port", "99999"], "--port: 99999 is outside [0, 65535]"),
+                        (["--port", "-1"], "--port: -1 is outside [0, 65535]"),
+                        (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1:8008")]:
+        one_line_error(run(["-m", "tools.viewer", str(tmp_path), *bad], timeout=30), needle)
+    one_line_error(run(["-m", "env_server", "corridor", "--host", "999.1.1.1"], timeout=30),
+                   "cannot listen on 999.1.1.1:36001")
 

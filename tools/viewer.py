@@ -30,7 +30,6 @@ trajectory page parses only its own line.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -43,7 +42,9 @@ from flask import Flask, abort, jsonify, render_template_string, request
 from markupsafe import Markup, escape
 from werkzeug.exceptions import HTTPException
 
+from env_server.__main__ import bounded  # a port in 0-65535, in argparse's line
 from env_server.app import guard, make_server
+from trainer.cli import Parser
 
 PAGE_SIZE = 50
 MAX_LINE = 10**9  # no step file has more lines; a larger number (say 20 digits) is a 404, not a 500
@@ -534,11 +535,11 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.viewer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m tools.viewer", description=__doc__)  # one-line errors
     p.add_argument("runs", nargs="+", help="run folders written by train.py --out, or eval.py's "
                                            "result files (their episodes beside them)")
-    p.add_argument("--port", type=int, default=8008, help="port to serve on")
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=8008,
+                   help="port to serve on (0: a free one, printed)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (0.0.0.0 exposes the logs to anyone who reaches the port: "
                         "no authentication)")
@@ -554,6 +555,8 @@ def main(argv=None) -> None:
     except OSError as e:  # the port is taken, or the address is not this machine's
         sys.exit(f"viewer.py: cannot listen on {a.host}:{a.port} ({e.strerror or e}): give another "
                  "--port")
+    except ValueError as e:  # waitress: an address that is no address (999.1.1.1)
+        sys.exit(f"viewer.py: cannot listen on {a.host}:{a.port} ({e}): give another --host")
     print(f"serving {len(a.runs)} run(s) on http://{a.host}:{server.effective_port}", flush=True)
     server.run()
 

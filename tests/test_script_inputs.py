@@ -97,3 +97,22 @@ def test_viewer_and_env_server_refuse_a_port_or_host_they_cannot_serve_on(tmp_pa
     one_line_error(run(["-m", "env_server", "corridor", "--host", "999.1.1.1"], timeout=30),
                    "cannot listen on 999.1.1.1:36001")
 
+
+def test_plot_names_the_file_it_writes_and_refuses_an_out_it_cannot_write(
+        tmp_path, read_only_dir, capsys):
+    """A name without an extension gets .png, and the line says so; a folder, one under a file,
+    one in a folder that cannot be written in and a bad flag: one line, no usage block."""
+    from test_plot import write_run
+    from tools import plot
+
+    run_dir = str(tmp_path / "r")
+    write_run(run_dir, [2, 2], "2")
+    plot.main([run_dir, "--out", str(tmp_path / "noext")])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'noext'}.png\n"
+    assert os.path.exists(tmp_path / "noext.png")
+    (tmp_path / "f").write_text("")
+    for args, needle in [(["--out", str(tmp_path)], f"--out {tmp_path} is a folder"),
+                         (["--out", str(tmp_path / "f" / "c.png")], "is a file, not a folder"),
+                         (["--out", os.path.join(read_only_dir, "c.png")], "cannot be written"),
+                         (["--smooth", "0"], "--smooth must be at least 1")]:
+        one_line_refusal([run_dir, *args], needle, capsys, plot.main)

@@ -32,10 +32,11 @@ point.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+
+from trainer.cli import Parser, file_in_the_way, unwritable
 
 
 def read_jsonl(path: str) -> list:
@@ -280,8 +281,7 @@ def plot_curves(specs: list[str], out: str, labels: list[str] | None = None) -> 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m tools.plot", description=__doc__)  # one-line errors
     p.add_argument("runs", nargs="*", help="run folders, each with metrics.jsonl")
     p.add_argument("--compare", action="append", default=None, metavar="START,END",
                    help="instead of runs: eval.py results compared as eval.py --compare does (each "
@@ -291,7 +291,8 @@ def main(argv=None) -> None:
                    help="instead of runs: a held-out curve from eval.py results (each point may "
                         "pool results with +), bars the paired interval of the change from its "
                         "first point; repeat it for more lines")
-    p.add_argument("--out", default=None, help="image file to write (default: one run's "
+    p.add_argument("--out", default=None, help="image file to write, .png added to a name "
+                                               "without an extension (default: one run's "
                                                "RUN/curves.png; several runs' "
                                                "curves_A_vs_B.png in the current folder)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps (1: none)")
@@ -315,16 +316,40 @@ def main(argv=None) -> None:
         p.error(f"--curve: {wrong}")
     if (a.compare or a.curve) and not a.out:
         p.error(f"{'--compare' if a.compare else '--curve'} needs --out: the image file to write")
+    out = image_path(p, a.out) if a.out else image_path(p, default_out(a.runs), "the image")
     try:
         if a.runs:
-            out = plot(a.runs, a.out or default_out(a.runs), a.smooth, labels)
+            out = plot(a.runs, out, a.smooth, labels)
         else:
-            out = (plot_changes if a.compare else plot_curves)(drawn, a.out, labels)
+            out = (plot_changes if a.compare else plot_curves)(drawn, out, labels)
     except ValueError as e:
         sys.exit(f"python -m tools.plot: {e}")
     where = " (several runs: in the current folder; --out names another file)" \
         if len(a.runs) > 1 and not a.out else ""
     print(f"wrote {out}{where}")
+
+
+def image_path(p, out: str, flag: str = "--out") -> str:
+    """The image file --out names (`flag`: how errors name it), as it will be written: .png added
+    where it has no extension (as matplotlib does); a folder, an extension matplotlib does not
+    write, a file in the way or a folder this process cannot write in is one line, before anything
+    is drawn."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if os.path.isdir(out):
+        p.error(f"{flag} {out} is a folder: give the image file to write (e.g. "
+                f"{os.path.join(out, 'curves.png')})")
+    kind = os.path.splitext(out)[1][1:].lower()
+    if not kind:
+        out += ".png"
+    elif kind not in (kinds := FigureCanvasBase.get_supported_filetypes()):
+        p.error(f"{flag} {out}: matplotlib does not write .{kind} files; give one of "
+                + ", ".join(f".{k}" for k in sorted(kinds)))
+    if there := file_in_the_way(os.path.dirname(os.path.abspath(out))):
+        p.error(f"{flag} {out}: {there} is a file, not a folder")
+    if there := unwritable(out):
+        p.error(f"{flag} {out}: {there} cannot be written in (read-only or no permission)")
+    return out
 
 
 def default_out(run_dirs: list[str]) -> str:

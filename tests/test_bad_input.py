@@ -52,8 +52,8 @@ def test_a_folder_that_is_not_a_model_is_refused_by_each_script(finished_run, tm
 
 def test_a_resume_from_a_damaged_or_foreign_checkpoint_is_one_line(finished_run, tmp_path,
                                                                    capsys):
-    """A trainer state or weights file cut short, another --model: refused before anything is
-    written; another --algo: a warning (the run is no longer one run's)."""
+    """A trainer state or weights file cut short (eval.py's --checkpoint too), another --model:
+    refused before anything is written; another --algo: a warning (no longer one run's)."""
     def copy(name):
         shutil.copytree(finished_run, tmp_path / name)
         return tmp_path / name
@@ -67,6 +67,10 @@ def test_a_resume_from_a_damaged_or_foreign_checkpoint_is_one_line(finished_run,
     weights = out / "checkpoint" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     one_line_refusal([*args, str(out)], f"--resume: {weights} cannot be read:", capsys)
+    import eval as evaluation
+    one_line_refusal(["--checkpoint", str(out), "--limit", "1"],
+                     f"--checkpoint: {weights} cannot be read:", capsys,
+                     parse=evaluation.parse_args)
     out = copy("foreign")
     model = tmp_path / "model"
     model.mkdir()

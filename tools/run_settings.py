@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from scheduler import horizons
+from trainer.checkpoints import weights_problem
 from trainer.cli import read_config
 
 # What a training run's config.json says about how to play its policy: eval.py's fields, by
@@ -59,6 +60,8 @@ def take(p, cfg) -> None:
         p.error(f"--checkpoint: no checkpoint in {cfg.checkpoint} (expected a run folder, with "
                 f"{cfg.checkpoint}/checkpoint/model, or a checkpoint folder, with "
                 f"{cfg.checkpoint}/model)")
+    if problem := weights_problem(checkpoint_model(cfg.checkpoint)):  # cut short, damaged
+        p.error(f"--checkpoint: {problem}")
     path = os.path.join(run_folder(cfg.checkpoint), "config.json")
     if not os.path.exists(path):  # a model folder saved by hand: flags and defaults only
         return

@@ -86,6 +86,9 @@ def main() -> None:
     rows = train.layer.Rows(run, trajs)  # what the update reads of a run
     m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1
+    if m["padding_share"] is None:  # every advantage 0, no KL or entropy term: none forwarded
+        print(f"training: no row forwarded (every row idle), {dt:.2f} s")
+        return
     print(f"training: {m['train_tokens']} tokens in {dt:.2f} s = {m['train_tokens'] / dt:,.0f} "
           f"tokens/s, padding share {m['padding_share']:.1%}  (target < 15%)")
 

@@ -344,10 +344,16 @@ def test_an_out_under_a_file_is_refused_in_one_line(tmp_path, capsys):
 
 
 def fake_run(folder, **settings):
-    """A run folder as eval.py reads it: config.json (train.py's fields) and checkpoint/model/."""
+    """A run folder as eval.py reads it: config.json (train.py's fields) and checkpoint/model/
+    (a weights file whose header reads)."""
+    import torch
+    from safetensors.torch import save_file
+
     import train
 
-    os.makedirs(os.path.join(folder, "checkpoint", "model"))
+    model = os.path.join(folder, "checkpoint", "model")
+    os.makedirs(model)
+    save_file({"w": torch.zeros(1)}, os.path.join(model, "model.safetensors"))
     cfg = {**vars(train.config.Config()), "env": "corridor", "schedule": "2,5", "max_new_tokens": 6,
            "max_context": 512, "temperature": 0.7, "top_p": 0.9, "out": str(folder), "lr": 3e-4,
            **settings}

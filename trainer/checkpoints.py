@@ -113,10 +113,10 @@ def weights_problem(folder: str) -> str | None:
     weights file, or one cut short or damaged (its header read, not its tensors)."""
     from safetensors import safe_open
 
-    files = [f for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
+    files = [f for f in sorted(os.listdir(folder)) if f.endswith((".safetensors", ".bin"))]
     if not files:
-        return f"{folder} holds no model weights (*.safetensors)"
-    for name in files:
+        return f"{folder} holds no model weights (*.safetensors, *.bin)"
+    for name in (f for f in files if f.endswith(".safetensors")):  # a header to read
         try:
             with safe_open(os.path.join(folder, name), "pt"):
                 pass

@@ -171,19 +171,27 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def previous_minutes(out: str, st: dict) -> float:
-    """The run's minutes before a resume from the checkpoint whose trainer state is `st`:
-    those of OUT/summary.json where the run ended at the checkpoint (its last save and summary
-    counted), else those the checkpoint holds (0 in one saved before checkpoints held
-    them)."""
+def ended_at(out: str, step: int) -> dict | None:
+    """OUT/summary.json where the run ended at `step` (a run stopped in its last step has a
+    checkpoint there but no summary: its final evaluation and summary are still to do)."""
     try:
         with open(os.path.join(out, "summary.json")) as f:
             summary = json.load(f)
-        if summary["steps"] == st["step"]:
-            return float(summary["minutes"])
+        return summary if summary["steps"] == step else None
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return float(st.get("minutes", 0.0))
+        return None
+
+
+def previous_minutes(out: str, st: dict) -> float:
+    """The run's minutes before a resume from the checkpoint whose trainer state is `st`:
+    those of its summary where the run ended at the checkpoint (its last save and summary
+    counted), else those the checkpoint holds (0 in one saved before checkpoints held
+    them)."""
+    summary = ended_at(out, st["step"])
+    try:
+        return float(summary["minutes"]) if summary else float(st.get("minutes", 0.0))
+    except (KeyError, TypeError, ValueError):
+        return float(st.get("minutes", 0.0))
 
 
 def truncate_logs(out: str, last_step: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import algos
 from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
-from trainer.checkpoints import find_checkpoint, load_data, weights_problem
+from trainer.checkpoints import ended_at, find_checkpoint, load_data, weights_problem
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
                          check_ranges, check_reporter, file_in_the_way, parse_config,
                          unwritable)
@@ -334,8 +334,9 @@ def check_resume(p, cfg: Config) -> None:
     """--resume against its checkpoint: a damaged one, another --env, --seed or --model is
     refused (the checkpoint holds that model's weights for that game and the random streams of
     that seed); another --batch-size, --group-size or --algo is taken with a warning (the run
-    is no longer the one an unbroken run would be); a checkpoint at --steps or past it leaves
-    nothing to do: one line, exit 0, nothing written."""
+    is no longer the one an unbroken run would be); a checkpoint past --steps, or at it where
+    the run ended there (its summary.json), leaves nothing to do: one line, exit 0, nothing
+    written."""
     ckpt = find_checkpoint(cfg.out)
     try:
         st = load_data(os.path.join(ckpt, "trainer_state.pt"))
@@ -348,7 +349,7 @@ def check_resume(p, cfg: Config) -> None:
     saved = st.get("config", {})
     for name in ("env", "seed", "model"):
         if name in saved and getattr(cfg, name) != saved[name]:
-            was = flag_text(name, saved[name]) if saved[name] is not None else "the tiny model"
+            was = "the tiny model" if saved[name] is None else flag_text(name, saved[name])
             p.error(f"--resume: {cfg.out} is a run of {was}, not {getattr(cfg, name)}: "
                     "resume it with its own, or start another --out")
     changed = [n for n in ("batch_size", "group_size", "algo")
@@ -357,7 +358,8 @@ def check_resume(p, cfg: Config) -> None:
         warn(f"--resume: from step {st['step'] + 1} " + ", ".join(
             f"{flag_text(n, getattr(cfg, n))} (the run's: {saved[n]})" for n in changed) +
             ": the run is no longer the one an unbroken run would be")
-    if st["step"] >= cfg.steps:
+    # at --steps with no summary: stopped in its last step, its final evaluation still to do
+    if st["step"] > cfg.steps or (st["step"] == cfg.steps and ended_at(cfg.out, st["step"])):
         print(f"train.py: --resume: the checkpoint in {cfg.out} is at step {st['step']} and "
               f"--steps is {cfg.steps}: nothing to do (a larger --steps extends the run)")
         sys.exit(0)

@@ -139,8 +139,7 @@ class Run:
             self.figures = (f"K={last['max_turns']}, reward={last['reward_mean']:.2f}, "
                             f"success={last['success_rate']:.2f}")
             self.show("")
-            self.bad_steps = self.bad_steps + 1 if last.pop("bad") else 0
-            if self.bad_steps:
+            if self.bad_steps:  # this step lost to env errors (log counts them)
                 too_many_env_errors(self, step, last, self.bad_steps, self.intr)
             if eval_due(cfg, step):
                 evaluate(self, step)
@@ -210,7 +209,8 @@ class Run:
         if self.device.type == "cuda":
             m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         m["step"] = step
-        row = {k: v for k, v in m.items() if k not in ("bad", "first_error")}
+        self.bad_steps = self.bad_steps + 1 if m.pop("bad", False) else 0  # in a row
+        row = {k: v for k, v in m.items() if k != "first_error"}
         if global_rank() == 0:
             with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -280,16 +280,18 @@ def evaluate(run: Run, step: int) -> None:
 
 def snapshot(run: Run) -> dict:
     """What a run resumed after the last update needs besides weights and optimizer: the
-    schedule, this rank's random streams (data order, sampling, update shuffle, torch)."""
+    schedule, the guard's scale, the env-error steps in a row, this rank's random streams
+    (data order, sampling, update shuffle, torch)."""
+    rng = {"sample_gen": run.sample_gen.get_state(), "update_gen": run.update_gen.get_state(),
+           "torch_rng": torch.get_rng_state()}
     return {"schedule": run.schedule.state_dict(), "data_rng": run.data_rng.getstate(),
-            "lr_scale": run.lr_scale, "rng": {"sample_gen": run.sample_gen.get_state(),
-                                              "update_gen": run.update_gen.get_state(),
-                                              "torch_rng": torch.get_rng_state()}}
+            "lr_scale": run.lr_scale, "bad_steps": run.bad_steps, "rng": rng}
 
 
 def save(run: Run, step: int, snap: dict) -> None:
     state = {"step": step, "schedule": snap["schedule"], "data_rng": snap["data_rng"],
-             "lr_scale": snap["lr_scale"], "rank_rngs": all_gather_list([snap["rng"]]),
+             "lr_scale": snap["lr_scale"], "bad_steps": snap["bad_steps"],
+             "rank_rngs": all_gather_list([snap["rng"]]),
              "device_type": run.sample_gen.device.type,
              "dtype": dtype_name(run.compute_dtype),
              "config": dataclasses.asdict(run.cfg), "minutes": minutes(run)}

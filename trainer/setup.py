@@ -223,6 +223,7 @@ def resume(run: Run, ckpt: str) -> None:
     run.prec.sync()
     run.data_rng.setstate(st["data_rng"])
     run.lr_scale = st.get("lr_scale", 1.0)
+    run.bad_steps = st.get("bad_steps", 0)  # the env-error stop counts on
     rngs = st["rank_rngs"]
     if len(rngs) == world and st["device_type"] == run.sample_gen.device.type:
         run.sample_gen.set_state(rngs[rank]["sample_gen"])

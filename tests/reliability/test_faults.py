@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import ROOT, raw
 from toy_env import CounterEnv
 
@@ -361,7 +362,9 @@ def test_too_many_env_errors_stop_the_run(tmp_path, cache_dir):
     assert "--max-env-error-share" in log and "injected fault" in log and "--resume" in log
     m = metrics(out)
     assert [x["step"] for x in m] == [1, 2] and all(x["skipped_update"] == 1 for x in m)
-    assert os.path.exists(os.path.join(out, "checkpoint", "trainer_state.pt"))
+    # the count goes on in a resumed run: one more such step stops it, as it would have
+    state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 2 and state["bad_steps"] == 2
 
 
 # ------------------------------------------------------------- SciWorld: a JVM that stops answering

@@ -137,6 +137,31 @@ def test_an_exception_saves_the_last_whole_step_and_resume_reads_past_torn_lines
         assert rollouts(out, step) == rollouts(reference, step)
 
 
+def test_a_run_stopped_in_its_last_step_is_finished_by_resume(tmp_path, cache_dir):
+    """A stop in the last step's update or final evaluation leaves a checkpoint at --steps and no
+    summary: --resume plays the evaluation the stop cut short, as the unbroken run did, and
+    writes the summary (it said "nothing to do", and the run could never end)."""
+    import shutil
+
+    done, out = tmp_path / "done", tmp_path / "run"
+    code, log = finish(start_train([*TINY, "--steps", "2", "--eval-every", "2", "--eval-tasks",
+                                    "4", "--eval-samples", "1", "--out", str(done)], cache_dir))
+    assert code == 0, log[-3000:]
+    shutil.copytree(done, out)
+    os.remove(out / "summary.json")
+    evals = (out / "eval.jsonl").read_text().splitlines()
+    (out / "eval.jsonl").write_text("\n".join(evals[:-1]) + "\n")  # the final one, cut short
+    code, log = finish(start_train(["--resume", "--out", str(out)], cache_dir))
+    assert code == 0 and "nothing to do" not in log, log[-3000:]
+    def rows(lines):
+        return [{k: v for k, v in json.loads(x).items() if k != "time_s"} for x in lines]
+
+    assert rows((out / "eval.jsonl").read_text().splitlines()) == rows(evals)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    code, log = finish(start_train(["--resume", "--out", str(out)], cache_dir))
+    assert code == 0 and "nothing to do" in log, log[-3000:]
+
+
 def test_an_exception_in_an_update_saves_nothing(tmp_path, cache_dir):
     """Step 2's update cut by an exception: the weights are half updated, so nothing is saved (the
     checkpoint on disk, here none, stays what it was)."""

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 from recipes.horizons_report import end_result, report, rows, run_name
 from scheduler import horizons, stage_steps
-from trainer.cli import Parser, file_in_the_way, unwritable
+from trainer.cli import Parser, check_writable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # train.py's flags that the study sets for each run; given after `--` they are refused
@@ -172,12 +172,7 @@ def parse_args(argv=None):
 def check_out(p, out: str, runs: list[str]) -> None:
     """--out a folder the study can make and write in, its run folders and logs/ folders where
     they are there (not files), its held_out_tasks.json not a folder; else one line, naming it."""
-    there = file_in_the_way(out)
-    if there:
-        p.error(f"--out {out} is a file: give the study's folder" if there == os.path.normpath(out)
-                else f"--out {out}: {there} is a file, not a folder")
-    if there := unwritable(out):
-        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
+    check_writable(p, "--out", out, "the study's folder")
     for name in [*runs, "logs"]:
         if os.path.lexists(path := os.path.join(out, name)) and not os.path.isdir(path):
             p.error(f"--out {out}: {path} is a file where the study's {name} folder goes: move "

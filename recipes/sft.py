@@ -47,8 +47,8 @@ import torch
 from tqdm import tqdm
 
 from trainer.cli import (Shared, arg, check_env, check_model, check_positive, check_ranges,
-                         check_reporter, cpu_threads, file_in_the_way, parse_config,
-                         resolve_device, unwritable)
+                         check_reporter, check_writable, cpu_threads, parse_config,
+                         resolve_device)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_server.process import serving
 from models.names import chat_format
@@ -318,13 +318,7 @@ def check_out(p, out: str) -> None:
     """--out a folder the model can be saved to without overwriting anything else: a new or
     empty one, or one this script saved to before (its sft_summary.json), that can be made and
     written in; else a one-line exit, before any training."""
-    there = file_in_the_way(out)
-    if there == os.path.normpath(out):
-        p.error(f"--out {out} is a file: give the folder the model is saved to")
-    if there:
-        p.error(f"--out {out}: {there} is a file, not a folder")
-    if there := unwritable(out):
-        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
+    check_writable(p, "--out", out, "the folder the model is saved to")
     if (os.path.isdir(out) and os.listdir(out)
             and not os.path.exists(os.path.join(out, "sft_summary.json"))):
         p.error(f"--out {out} holds files recipes.sft did not save (no sft_summary.json): "

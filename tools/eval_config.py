@@ -109,14 +109,7 @@ def check_files(p, cfg: EvalConfig) -> None:
     if cfg.curriculum is not None:
         named.append(("--curriculum", cfg.curriculum, "the file the task ids are written to"))
     for flag, path, what in named:
-        if not path.strip():
-            p.error(f"{flag} is empty: give {what}")
-        if os.path.isdir(path):
-            p.error(f"{flag} {path} is a folder: give {what}")
-        if there := cli.file_in_the_way(os.path.dirname(os.path.abspath(path))):
-            p.error(f"{flag} {path}: {there} is a file, not a folder")
-        if there := cli.unwritable(path):
-            p.error(f"{flag} {path}: {there} cannot be written in (read-only or no permission)")
+        cli.check_writable(p, flag, path, what, folder=False)
     if cfg.curriculum is not None:
         log = os.path.splitext(cfg.out)[0] + ".rollouts.jsonl"
         mine = {os.path.realpath(x) for x in (cfg.out, log, eval_outputs.partial_path(cfg.out))}

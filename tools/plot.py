@@ -36,7 +36,7 @@ import json
 import os
 import sys
 
-from trainer.cli import Parser, file_in_the_way, unwritable
+from trainer.cli import Parser, check_writable
 
 
 def read_jsonl(path: str) -> list:
@@ -336,19 +336,14 @@ def image_path(p, out: str, flag: str = "--out") -> str:
     is drawn."""
     from matplotlib.backend_bases import FigureCanvasBase
 
-    if os.path.isdir(out):
-        p.error(f"{flag} {out} is a folder: give the image file to write (e.g. "
-                f"{os.path.join(out, 'curves.png')})")
+    check_writable(p, flag, out, "the image file to write (e.g. "
+                   f"{os.path.join(out, 'curves.png')})", folder=False)
     kind = os.path.splitext(out)[1][1:].lower()
     if not kind:
         out += ".png"
     elif kind not in (kinds := FigureCanvasBase.get_supported_filetypes()):
         p.error(f"{flag} {out}: matplotlib does not write .{kind} files; give one of "
                 + ", ".join(f".{k}" for k in sorted(kinds)))
-    if there := file_in_the_way(os.path.dirname(os.path.abspath(out))):
-        p.error(f"{flag} {out}: {there} is a file, not a folder")
-    if there := unwritable(out):
-        p.error(f"{flag} {out}: {there} cannot be written in (read-only or no permission)")
     return out
 
 

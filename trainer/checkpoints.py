@@ -187,11 +187,10 @@ def previous_minutes(out: str, st: dict) -> float:
     those of its summary where the run ended at the checkpoint (its last save and summary
     counted), else those the checkpoint holds (0 in one saved before checkpoints held
     them)."""
-    summary = ended_at(out, st["step"])
-    try:
-        return float(summary["minutes"]) if summary else float(st.get("minutes", 0.0))
-    except (KeyError, TypeError, ValueError):
-        return float(st.get("minutes", 0.0))
+    summary = ended_at(out, st["step"]) or {}
+    if isinstance(summary.get("minutes"), (int, float)):
+        return float(summary["minutes"])
+    return float(st.get("minutes", 0.0))
 
 
 def truncate_logs(out: str, last_step: int) -> None:

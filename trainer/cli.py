@@ -265,6 +265,24 @@ def unwritable(path: str) -> str | None:
     return None if os.access(there, os.W_OK | os.X_OK) else there
 
 
+def check_writable(p: argparse.ArgumentParser, flag: str, path: str, what: str,
+                   folder: bool = True) -> None:
+    """`flag` names `path`, a folder (folder=False: a file) the script will make: one line, before
+    any work it could not save, where it is empty, a file where a folder goes (a folder where a
+    file goes), under a file, or in a folder this process cannot write in; `what`: what to give
+    instead."""
+    if not path.strip():
+        p.error(f"{flag} is empty: give {what}")
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"{flag} {path} is a file: give {what}")
+    if not folder and os.path.isdir(path):
+        p.error(f"{flag} {path} is a folder: give {what}")
+    if there := file_in_the_way(path if folder else os.path.dirname(os.path.abspath(path))):
+        p.error(f"{flag} {path}: {there} is a file, not a folder")
+    if there := unwritable(path):
+        p.error(f"{flag} {path}: {there} cannot be written in (read-only or no permission)")
+
+
 def check_device(p: argparse.ArgumentParser, name: str) -> None:
     """--device names a device this torch has: cuda with a CPU-only build is one line, not a
     traceback."""

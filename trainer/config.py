@@ -15,8 +15,7 @@ from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
 from trainer.checkpoints import ended_at, find_checkpoint, load_data, weights_problem
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
-                         check_ranges, check_reporter, file_in_the_way, parse_config,
-                         unwritable)
+                         check_ranges, check_reporter, check_writable, parse_config)
 from trainer.report import REPORTERS
 import trainer.plateau  # noqa: F401,E402  registers --schedule-kind plateau
 
@@ -295,17 +294,8 @@ def flag_text(name: str, value) -> str:
 
 
 def check_out(p, out: str) -> None:
-    """--out a folder that can be made: a name, neither it nor a folder above it a file, in a
-    folder this process may write in."""
-    there = file_in_the_way(out) if out.strip() else None
-    if not out.strip():
-        p.error("--out is empty: give the run's folder (or leave --out out for runs/...)")
-    elif there == os.path.normpath(out):
-        p.error(f"--out {out} is a file: give the run's folder")
-    elif there:
-        p.error(f"--out {out}: {there} is a file, not a folder")
-    elif there := unwritable(out):
-        p.error(f"--out {out}: {there} cannot be written in (read-only or no permission)")
+    """--out a folder that can be made and written in (cli.check_writable)."""
+    check_writable(p, "--out", out, "the run's folder (or leave --out out for runs/...)")
 
 
 def check_learnable(p, cfg: Config) -> None:

@@ -451,8 +451,7 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
     Dual clip (Ye et al. 2020; dual_clip > 1): for A_t < 0, L_t = min(L_t, -dual_clip * A_t),
     so a huge ratio on a bad action cannot dominate. `token_weights` (B, T) (`tis_weights`)
     multiply L_t before `agg_loss`. logprobs (with grad), old_logprobs, advantages, loss_mask
-    (B, T) -> (loss, stats): clip_frac (the share of sampled tokens clipped), dual_clip_frac,
-    approx_kl (k1 of logp_old - logp), ratio_mean."""
+    (B, T) -> (loss, stats): clip_frac (the share of sampled tokens clipped), approx_kl (k1)."""
     assert dual_clip is None or dual_clip > 1.0, f"dual_clip must be > 1, got {dual_clip}"
     logp, old, adv = logprobs.float(), _f32(old_logprobs), _f32(advantages)
     log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # departure 7
@@ -467,12 +466,8 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
         loss_mat = loss_mat * _f32(token_weights)
     loss = agg_loss(loss_mat, loss_mask, agg)
     with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((clipped > unclipped).float(), loss_mask).item(),
-            "dual_clip_frac": masked_mean(dual_hit.float(), loss_mask).item(),
-            "approx_kl": masked_mean(old - logp, loss_mask).item(),
-            "ratio_mean": masked_mean(ratio, loss_mask).item(),
-        }
+        stats = {"clip_frac": masked_mean((clipped > unclipped).float(), loss_mask).item(),
+                 "approx_kl": masked_mean(old - logp, loss_mask).item()}
     return loss, stats
 
 

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -216,12 +215,16 @@ def _refusal(method: str, path: str, status: int, data: bytes, out) -> EnvError:
     return EnvError("env", f"{method} {path}: {out['error']}")  # AgentGym's HTTP-200 error
 
 
+# The largest float32: the trainer holds rewards as float32, where a larger one is infinite
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _number(raw: dict, key: str) -> float:
-    """raw[key] as a finite float; a bool, NaN, Infinity or an int past 1e308 is malformed."""
+    """raw[key] as a float; a bool, NaN, Infinity or one past float32's range is malformed."""
     v = raw[key]
-    if type(v) is not bool and isinstance(v, (int, float)) and abs(v) <= sys.float_info.max:
+    if type(v) is not bool and isinstance(v, (int, float)) and abs(v) <= FLOAT32_MAX:
         return float(v)
-    raise EnvError("protocol", f"step answer with {key}={v!r}: not a finite number")
+    raise EnvError("protocol", f"step answer with {key}={v!r}: not a float32 number")
 
 
 def _flag(raw: dict, key: str) -> bool:

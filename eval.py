@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 # before torch loads OpenMP (cli.cpu_threads sets the thread count)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -31,10 +32,10 @@ from tqdm import tqdm
 
 from env_client import EnvError
 from env_server import get_env_class
-from env_server.agents import served_here
+from env_server.agents import has_chance, served_here
 from models.loading import dtype_name, load_local  # a checkpoint, HF or built-in model
-from rollout import (EnginePolicy, RolloutConfig, Trajectory, is_success, outcomes,
-                     play_in_chunks, rollout, write_log)
+from rollout import (EnginePolicy, RandomPolicy, RolloutConfig, Trajectory, is_success,
+                     outcomes, play_in_chunks, rollout, write_log)
 from tools import endpoint, eval_config, eval_outputs, paired  # the flags; named features
 from trainer import cli  # the env server (cli.serving_env), the task lists, the thread count
 from trainer.distributed import all_gather_list, global_rank, world_size  # held_out's ranks
@@ -76,8 +77,10 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     # Episode e plays tasks[e // n] as its sample e % n; its group is the task's position.
     episodes = [(g, item, j) for g, item in enumerate(tasks) for j in range(cfg.n)]
     rcfg, generator, policy_dtype = RolloutConfig.of(cfg, cfg.max_turns), None, None
-    # a chat endpoint's text replies; else a local model samples on its engine
-    if cfg.endpoint:
+    # chance's text replies; a chat endpoint's; else a local model samples on its engine
+    if cfg.random:
+        policy, fmt, name, kind = RandomPolicy(cfg.env, cfg.seed), None, "random", "random"
+    elif cfg.endpoint:
         policy, fmt, name, kind = endpoint.policy(cfg), None, endpoint.name(cfg), "endpoint"
     else:
         torch.set_num_threads(cli.cpu_threads(cfg.threads))
@@ -95,16 +98,16 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
         trajs = played if len(played) == len(episodes) else play_in_chunks(
             url, cfg.batch, items, groups, play, desc="eval",
             played=played, chunk_done=chunk_done)
-        table = score_table([(item, category[item], j, t.reward, is_success(t))
-                             for (_, item, j), t in zip(episodes, trajs)
-                             if t.status != "env_error"])  # not scored 0
+        table = scores(episodes, trajs, category)
         statuses = outcomes(trajs)["statuses"]
         result = {"config": dataclasses.asdict(cfg), "policy": name, "n": cfg.n,
                   "n_scored": table.pop("n"), **table, "statuses": statuses,
                   # "excluded" (errors left out), "behaviour", "tasks" (per-task scores)
                   **eval_outputs.details(tasks, category, episodes, trajs),
                   "time_s": time.time() - t0, "engine": kind,
-                  "dtype": policy_dtype}  # what --dtype resolved to here; None: an endpoint's
+                  "dtype": policy_dtype,  # what --dtype resolved to here; None: an endpoint's
+                  # a random policy on the same episodes, beside every rate
+                  "chance": None if cfg.random else chance(cfg, url, tasks, category)}
         write_log(log, 0, cfg.max_turns, trajs)
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -113,6 +116,55 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
     if cfg.curriculum:
         eval_outputs.write_curriculum(result, cfg.curriculum)  # tasks solved only sometimes
     return result
+
+
+def scores(episodes: list[tuple], trajs: list[Trajectory], category: dict) -> dict:
+    """score_table of the played episodes (group, item, sample): env errors are left out, never
+    scored 0."""
+    return score_table([(item, category[item], j, t.reward, is_success(t))
+                        for (_, item, j), t in zip(episodes, trajs) if t.status != "env_error"])
+
+
+# Chance plays each task at least this many times: it needs no model, and an estimate from a
+# policy's 4 samples a task would move by several points from run to run
+CHANCE_SAMPLES = 32
+
+
+def chance(cfg, url: str, tasks: list[int], category: dict) -> dict | None:
+    """The random policy's (rollout.RandomPolicy) Avg@n and Pass@n on the tasks and horizon a
+    policy played, from N = max(n, CHANCE_SAMPLES) samples a task: Avg@n is their mean, Pass@n
+    the unbiased estimate 1 - C(N - c, n) / C(N, n) for c successes in N (the chance that n
+    samples of them hold one). None where the game defines no random policy."""
+    if not has_chance(cfg.env):
+        return None
+    N = max(cfg.n, CHANCE_SAMPLES)
+    items = [item for item in tasks for _ in range(N)]
+    rcfg = RolloutConfig.of(cfg, cfg.max_turns)
+    play = player(RandomPolicy(cfg.env, cfg.seed), cfg.env, rcfg, None, cfg.agent)
+    trajs = play_in_chunks(url, cfg.batch, items, [k // N for k in range(len(items))], play,
+                           desc="chance", leave=False)
+    per_task: dict = {}
+    for t in trajs:
+        if t.status != "env_error":  # left out, never scored 0
+            per_task.setdefault(t.item_id, []).append((t.reward, is_success(t)))
+
+    def summary(ids: list[int]) -> dict:
+        rows = [per_task[i] for i in ids if i in per_task]
+        k = max(1, len(rows))
+        return {"tasks": len(rows), "samples": sum(map(len, rows)),
+                f"avg@{cfg.n}": sum(sum(r for r, _ in x) / len(x) for x in rows) / k,
+                f"pass@{cfg.n}": sum(pass_at(cfg.n, len(x), sum(w for _, w in x))
+                                     for x in rows) / k}
+
+    cats = sorted({category[i] for i in tasks})
+    return {"samples_per_task": N, "overall": summary(tasks),
+            "by_category": {c: summary([i for i in tasks if category[i] == c]) for c in cats}}
+
+
+def pass_at(n: int, N: int, c: int) -> float:
+    """The chance that n of N samples, c of them successes, hold one: 1 - C(N-c, n) / C(N, n)
+    (with fewer than n samples, whether any succeeded)."""
+    return float(c > 0) if N < n else 1.0 - math.comb(N - c, n) / math.comb(N, n)
 
 
 def player(policy, env: str, rcfg: RolloutConfig, fmt, agent: str):  # for play_in_chunks
@@ -160,14 +212,20 @@ def categories_for(env: str, item_ids: list[int],
 # ---------------------------------------------------------------- held out, during training
 def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig,
              step: int, generator, batch: int = 64, timeout: float = 120.0,
-             agent: str = "react", categories: dict | None = None, samples: int = 1) -> dict:
-    """`samples` episodes per test task, sampled from `generator` (seeded alike each time):
-    the success rate over episodes, env errors left out and counted. Under torchrun each rank
-    plays every N-th task and returns the whole result."""
+             agent: str = "react", categories: dict | None = None, samples: int = 1,
+             policy=None) -> dict:
+    """`samples` episodes per test task, sampled from `generator` (seeded alike each time), or
+    played by a text `policy` (the random one: chance): the success rate over episodes, env
+    errors left out and counted. Under torchrun each rank plays every N-th task and returns
+    the whole result."""
     t0 = time.time()
     mine = [i for i in test_ids[global_rank()::world_size()] for _ in range(samples)]
     groups = [k // samples for k in range(len(mine))]  # a task's samples share its group
-    play = player(EnginePolicy(engine, fmt, rcfg, generator), env, rcfg, fmt, agent)
+    if policy is None:
+        policy = EnginePolicy(engine, fmt, rcfg, generator)
+    else:
+        fmt = None  # a text policy: no token rows
+    play = player(policy, env, rcfg, fmt, agent)
     try:  # a rank without a task (more ranks than tasks) plays nothing
         trajs = play_in_chunks(url, batch, mine, groups, play,
                                desc=f"held-out eval @ step {step}", leave=False,

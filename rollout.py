@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from env_server.agents import Move, make_agent, opens_by_guessing
+from env_server.agents import Move, make_agent, opens_by_guessing, random_moves, react_reply
 from env_client import EnvError, EnvPool, train_reward
 
 
@@ -225,6 +226,26 @@ class EnginePolicy:
 
     def finish(self) -> None:
         self.engine.forget()  # conversations over: free the cache kept for their next turn
+
+
+class RandomPolicy:
+    """Chance: each reply is a move drawn uniformly from the game's (agents.random_moves), in
+    the game's reply format (agents.react_reply). With `fmt` the reply has the ids a model
+    would sample (log-probs 0: nothing was sampled), as a demonstration; without, it is text
+    only, as an endpoint's."""
+
+    name = "random"
+
+    def __init__(self, env: str, seed: int = 0, fmt: ChatFormat | None = None):
+        self.env, self.fmt, self.rng = env, fmt, random.Random(seed)
+
+    def replies(self, trajs: list[Trajectory], slots: list[int]) -> list[Reply]:
+        out = []
+        for t in trajs:
+            text = react_reply(self.env, self.rng.choice(random_moves(self.env, t.messages)))
+            ids = None if self.fmt is None else self.fmt.reply_ids(text)
+            out.append(Reply(text, ids, None if ids is None else [0.0] * len(ids)))
+        return out
 
 
 # ---------------------------------------------------------------- the turn loop

@@ -8,8 +8,8 @@ with Avg@n and Pass@n, the command behind every row, and the minutes it took on 
 Settings follow the paper's evaluation where they can (temperature 1, the largest horizon of each
 env's ScalingInter-RL schedule); --tasks spreads a subset over the split when the whole one costs
 too much on CPU (0: all of it), and the table says how many tasks each row played. `tiny` is the
-built-in tiny model (warm-started for TextCraft and BabyAI; random weights elsewhere, which never
-write an action).
+built-in tiny model (warm-started for TextCraft, BabyAI and Corridor; random weights elsewhere,
+which never write an action).
 """
 
 import argparse

@@ -36,6 +36,7 @@ notes the agent sends back instead of an env observation are user turns (mask 0)
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -115,16 +116,20 @@ class EnvSpec:
     server: str | type | None
     instructions: str | None  # the instruction turn that opens every episode
     parse_action: Callable[[str], ParsedAction] | None  # reply -> action
+    # messages so far -> the moves a random policy draws from (chance); None: no such policy
+    random_moves: Callable[[list[dict]], list[str]] | None = None
 
 
 ENVS: dict[str, EnvSpec] = {}
 
 
 def register_env(name: str, *, server: str | type | None, instructions: str | None,
-                 parse_action: Callable[[str], ParsedAction] | None) -> EnvSpec:
+                 parse_action: Callable[[str], ParsedAction] | None,
+                 random_moves: Callable[[list[dict]], list[str]] | None = None) -> EnvSpec:
     """Add (or replace) the game `name`. Nothing is imported here; `env_spec` checks the entry when
-    a script starts, so a game registered with a part missing fails then, with one message."""
-    ENVS[name] = EnvSpec(name, server, instructions, parse_action)
+    a script starts, so a game registered with a part missing fails then, with one message.
+    `random_moves` defines chance for the game (rollout.RandomPolicy draws from it)."""
+    ENVS[name] = EnvSpec(name, server, instructions, parse_action, random_moves)
     return ENVS[name]
 
 
@@ -191,9 +196,51 @@ def system_prompt(env: str) -> str:
     return _part(env, "instructions")
 
 
+def has_chance(env: str) -> bool:
+    """Whether the game defines a random policy (register_env's random_moves)."""
+    return getattr(ENVS.get(env), "random_moves", None) is not None
+
+
+def random_moves(env: str, messages: list[dict]) -> list[str]:
+    """The moves a random policy of `env` draws from, given the conversation so far (ValueError
+    naming the games that have one, where `env` has none)."""
+    moves = getattr(ENVS.get(env), "random_moves", None)
+    if moves is None:
+        have = sorted(n for n, s in ENVS.items() if s.random_moves is not None)
+        raise ValueError(f"{env!r} defines no random policy (chance); games that do: "
+                         f"{', '.join(have)}")
+    return moves(messages)
+
+
+# ---------------------------------------------------------------- chance, per game
+# A random policy draws each turn's action uniformly from these. Corridor and BabyAI list their
+# available actions; TextCraft's actions are free text, so "random" there means uniform over the
+# commands its first observation makes concrete: each listed crafting command, `get` of each
+# ingredient those commands name in the number they name (only base items can be got), and
+# `inventory`.
+def _corridor_moves(messages: list[dict]) -> list[str]:
+    return ["left", "right"]
+
+
+_LISTED_ACTIONS = re.compile(r"Available actions: (\[.*\])")
+
+
+def _babyai_moves(messages: list[dict]) -> list[str]:
+    found = _LISTED_ACTIONS.findall(messages[-1]["content"])
+    return json.loads(found[-1]) if found else ["check available actions"]
+
+
+def _textcraft_moves(messages: list[dict]) -> list[str]:
+    first = next(m["content"] for m in messages if m["role"] == "user"
+                 and "Crafting commands:" in m["content"])
+    crafts = [ln.strip() for ln in first.splitlines() if ln.startswith("craft ")]
+    gets = {f"get {part.strip()}" for c in crafts for part in c.split(" using ", 1)[1].split(",")}
+    return crafts + sorted(gets) + ["inventory"]
+
+
 # ---------------------------------------------------------------- the games
 register_env("textcraft", server="env_server.textcraft:TextCraftEnv",
-             parse_action=parse_thought_action, instructions=(
+             parse_action=parse_thought_action, random_moves=_textcraft_moves, instructions=(
     "You are playing a crafting game. Each turn you get an observation and answer with one "
     "action.\n"
     "Commands:\n"
@@ -204,7 +251,7 @@ register_env("textcraft", server="env_server.textcraft:TextCraftEnv",
     "- inventory: list what you hold\n"
     "Answer in this format:\nThought: <your reasoning>\nAction: <one command>"))
 register_env("babyai", server="env_server.babyai:BabyAIEnv", parse_action=parse_thought_action,
-             instructions=(
+             random_moves=_babyai_moves, instructions=(
     "You are an agent in a grid world with rooms, doors, keys, balls and boxes. Each turn you get "
     "an observation and answer with one action.\n"
     "Actions: turn left, turn right, move forward, go to <obj> <n>, pickup <obj> <n>, "
@@ -239,6 +286,7 @@ register_env("webarena", server=None, parse_action=parse_webarena, instructions=
     "Think step by step, then end your reply with the single action inside triple backticks, e.g. "
     "In summary, the next action I will perform is ```click [1234]```"))
 register_env("corridor", server="env_server.corridor:CorridorEnv", parse_action=parse_whole_reply,
+             random_moves=_corridor_moves,
              instructions="You are in a corridor. Each turn answer left or right to walk toward "
                           "the goal.")
 # What `python -m env_server NAME` knows: the games registered above. One registered (or replaced)
@@ -277,7 +325,10 @@ def opens_by_guessing(messages: list[dict]) -> bool:
 
 def react_reply(env: str, action: str, thought: str | None = None) -> str:
     """An assistant reply in the env's format (Thought/Action; Deep Search: <think> then the tag
-    block), e.g. for expert demonstrations."""
+    block; a game that reads the whole reply, such as Corridor: the action alone where no
+    thought is given), e.g. for expert demonstrations and the random policy."""
+    if thought is None and getattr(ENVS.get(env), "parse_action", None) is parse_whole_reply:
+        return action
     if env == "searchqa":
         kind = "answer" if action.startswith("<answer>") else "search"
         return f"<think>{thought or 'I will ' + kind + '.'}</think>\n{action}"

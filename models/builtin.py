@@ -30,17 +30,21 @@ from models import warmstart
 from models.names import BUILTINS, WARM_SUFFIX, Wheel, check_model, is_builtin  # noqa: F401
 
 
-# The built-in tiny models, per env: (tokenizer kind, layers, hidden size). Corridor's policy
-# starts from random weights with a word-level vocabulary (its learning test); the others are
-# warm-started (warmstart.py).
-TINY_MODELS = {"corridor": ("words", 2, 64)}
+# The built-in tiny models, per env: (tokenizer kind, layers, hidden size, the std of the random
+# initial weights). Corridor's has a word-level vocabulary and weights drawn 5x wider than
+# transformers' 0.02: at 0.02 the attention's query and key weights start so small that their
+# gradients (each scaled by the other) nearly vanish, and the model looks at the observation's
+# one word that matters only after hundreds of steps, if at all; at 0.1 cloning the expert
+# learns it in one epoch (docs/results.md). The others are warm-started (warmstart.py).
+TINY_MODELS = {"corridor": ("words", 2, 64, 0.1)}
 # A tiny model's vocabulary, and its warm start, are built from the game's own text: when that
 # text changes, the version names a new cache folder.
-VOCAB_VERSIONS = {"corridor": 2,  # 2: "1 step", not "1 steps"
+VOCAB_VERSIONS = {"corridor": 4,  # 2: "1 step", not "1 steps"; 3: a reply is the move alone;
+                  # 4: a word's token holds the space before it
                   # 2: AgentGym's text (two spaces after each object's sentence, the
                   # walls-only view)
                   "babyai": 2}
-TINY_DEFAULT = ("bpe", 3, 192)
+TINY_DEFAULT = ("bpe", 3, 192, 0.02)
 
 
 def build_once(path: str, build) -> str:
@@ -65,18 +69,20 @@ def tiny_model_path(env: str, cache_dir: str) -> str:
     folder."""
     import models.tiny as tiny_model
 
-    kind, layers, hidden = TINY_MODELS.get(env, TINY_DEFAULT)
+    kind, layers, hidden, init_std = TINY_MODELS.get(env, TINY_DEFAULT)
     os.makedirs(cache_dir, exist_ok=True)
     version = f"-vocab{VOCAB_VERSIONS[env]}" if env in VOCAB_VERSIONS else ""
-    path = os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha{version}")
+    init = f"-init{init_std:g}" if init_std != TINY_DEFAULT[3] else ""
+    path = os.path.join(cache_dir, f"tiny-{env}-{kind}-{layers}x{hidden}-mha{init}{version}")
     return build_once(path, lambda tmp: tiny_model.build(
-        tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden))
+        tmp, env_names=(env,), tokenizer=kind, layers=layers, hidden=hidden, init_std=init_std))
 
 
 def default_model_path(env: str, cache_dir: str) -> str:
     """The policy the scripts use without --model: the tiny model after the env's warm start
-    (warmstart.WARM_START: copying, then behavioural cloning on a deliberately noisy expert,
-    then, with `guess`, a guessing or stalling habit), built once and cached, stage by stage;
+    (warmstart.WARM_START: copying, then behavioural cloning on a deliberately noisy expert, or
+    on a random mover (Corridor), then, with `guess`, a guessing or stalling habit), built once
+    and cached, stage by stage;
     the random tiny model for envs without a recipe."""
     base = tiny_model_path(env, cache_dir)
     recipe = warmstart.WARM_START.get(env)

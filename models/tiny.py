@@ -60,22 +60,23 @@ def corpus(env_names=("textcraft", "babyai"), tasks_per_env: int = 200) -> list[
 
 def build_tokenizer(texts: list[str], vocab_size: int = 2048,
                     kind: str = "bpe") -> PreTrainedTokenizerFast:
-    """kind "bpe": byte-level BPE, encodes any text. kind "words": one token per word, digit
-    or punctuation mark seen in `texts` ("[UNK]" for unseen words): a vocabulary so small that
-    a random policy already says valid words, which is what the Corridor learning test
-    needs."""
+    """kind "bpe": byte-level BPE, encodes any text. kind "words": one token per word (with
+    the space before it), digit or punctuation mark seen in `texts` ("[UNK]" for unseen words):
+    Corridor's 50-token vocabulary."""
     if kind == "words":
         tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-        # words, single punctuation marks and runs of whitespace are tokens: decoding joins
-        # them back into exactly the text that was encoded
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z]+|[0-9]|\s+|[^A-Za-z0-9\s]"),
-                                                 behavior="isolated")
+        # words with the space before them (as GPT-2's tokenizer has them: " right" in a
+        # sentence, "right" opening a reply, two tokens), digits, single punctuation marks and
+        # other runs of whitespace are tokens: decoding joins them back into exactly the text
+        # that was encoded
+        tok.pre_tokenizer = pre_tokenizers.Split(
+            Regex(r" ?[A-Za-z]+|[0-9]|\s+|[^A-Za-z0-9\s]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
         trainer = trainers.WordLevelTrainer(vocab_size=vocab_size,
                                             special_tokens=SPECIAL_TOKENS + ["[UNK]"],
                                             show_progress=False)
         # the chat template's role names, and every digit: numbers are spelled digit by digit
-        texts = texts + ["user assistant system\n", " ".join("0123456789")]
+        texts = texts + ["user\nassistant\nsystem\n", " ".join("0123456789")]
     elif kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -93,7 +94,8 @@ def build_tokenizer(texts: list[str], vocab_size: int = 2048,
 
 
 def build_model(vocab_size: int, layers: int = 4, hidden: int = 256, heads: int = 4,
-                seed: int = 0, max_positions: int = 8192) -> LlamaForCausalLM:
+                seed: int = 0, max_positions: int = 8192,
+                init_std: float = 0.02) -> LlamaForCausalLM:
     # One key/value head per query head: with grouped-query attention transformers copies the
     # whole KV cache out to every head at each decoding step on CPU, 5x slower at 3,000 cached
     # tokens.
@@ -102,16 +104,16 @@ def build_model(vocab_size: int, layers: int = 4, hidden: int = 256, heads: int 
                          num_attention_heads=heads, num_key_value_heads=heads,
                          max_position_embeddings=max_positions, tie_word_embeddings=True,
                          rope_theta=10000.0, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
+                         pad_token_id=None, initializer_range=init_std)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
 def build(out_dir: str, env_names=("textcraft", "babyai"), vocab_size: int = 2048,
           layers: int = 4, hidden: int = 256, heads: int = 4, seed: int = 0,
-          tokenizer: str = "bpe") -> str:
+          tokenizer: str = "bpe", init_std: float = 0.02) -> str:
     tok = build_tokenizer(corpus(env_names), vocab_size, tokenizer)
-    model = build_model(len(tok), layers, hidden, heads, seed)
+    model = build_model(len(tok), layers, hidden, heads, seed, init_std=init_std)
     model.config.eos_token_id = tok.eos_token_id
     model.config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -134,9 +136,12 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default="bpe", choices=["bpe", "words"])
+    p.add_argument("--init-std", type=float, default=0.02,
+                   help="std of the random initial weights (transformers' default 0.02)")
     a = p.parse_args()
     envs = tuple(a.envs.split(","))
-    path = build(a.out_dir, envs, a.vocab, a.layers, a.hidden, a.heads, a.seed, a.tokenizer)
+    path = build(a.out_dir, envs, a.vocab, a.layers, a.hidden, a.heads, a.seed, a.tokenizer,
+                 a.init_std)
     n = sum(x.numel() for x in LlamaForCausalLM.from_pretrained(path).parameters())
     print(f"tiny model written to {path} ({n / 1e6:.2f}M parameters)")
 

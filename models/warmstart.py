@@ -11,7 +11,8 @@ once and cached stage by stage (models.default_model_path):
 2. behavioural cloning (`sft`) on the env's expert over the training split
    (`expert_trajectories`), with a share `noise` of the expert's actions swapped for plausible
    wrong ones. With `thoughts` the expert thinks aloud first (TextCraft: the listed recipes
-   from the goal down to the item);
+   from the goal down to the item). With `mover="random"` (Corridor) on a random policy
+   instead (rollout.RandomPolicy): the form of a move, none of the expert's;
 3. with `guess`: a habit planted on purpose. One more epoch of cloning on the expert's
    episodes plus a guesser's (a share `guess` of the data, `guess_turns` turns of wrong
    actions under GUESS_THOUGHT, or of `guess_action` under STALL_THOUGHT). The model then
@@ -43,8 +44,8 @@ from env_client import Step
 from trainer.tasks import spread
 from models.policy import load_model, load_tokenizer, pad_id, token_logprobs
 from trainer.distributed import Precision
-from rollout import (ChatFormat, Reply, RolloutConfig, Trajectory, build_batch, is_success,
-                     length_buckets, rollout)
+from rollout import (ChatFormat, RandomPolicy, Reply, RolloutConfig, Trajectory, build_batch,
+                     is_success, length_buckets, rollout)
 
 
 # ---------------------------------------------------------------- expert data
@@ -143,7 +144,8 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat,
                         noise: float = 0.0, seed: int = 0, max_turns: int = 30,
                         variants: int = 1, thoughts: bool | str = True, guess: float = 0.0,
                         guess_turns: int = 3, guess_action: str | None = None,
-                        progress: bool = True, won_only: bool = False) -> list[Trajectory]:
+                        progress: bool = True, won_only: bool = False,
+                        mover: str = "expert") -> list[Trajectory]:
     """Play each task in-process with the env's expert (ExpertPolicy); one Trajectory per
     episode, by rollout.rollout, episode after episode (one random stream, in a fixed order).
     Status and reward as in any rollout: `done` with the step's reward, else `max_turns`. With
@@ -154,7 +156,9 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat,
     expert's, on the tasks in shuffled turn), each `guess_turns` turns long (ExpertPolicy's
     `guesser`): a model cloned on the mix opens an episode with the guesser's habit with
     probability about g. With `won_only` the expert's episodes it did not win are left out
-    (BabyAI's bot loses about one in ten within 30 turns)."""
+    (BabyAI's bot loses about one in ten within 30 turns). With `mover` "random" the replies
+    are rollout.RandomPolicy's instead of the expert's: moves in the game's form, each drawn
+    without looking at the game (its noise, thoughts and guesser do not apply)."""
     from env_server import get_env_class
 
     assert 0.0 <= noise <= 1.0, f"noise is a probability, got {noise}"
@@ -178,8 +182,9 @@ def expert_trajectories(env_name: str, item_ids: list[int], fmt: ChatFormat,
     for group, (item, variant, guesser) in enumerate(bar):
         pool = LocalPool(env_cls, world, [variant])
         try:
-            policy = ExpertPolicy(pool, env_name, fmt, rng, noise, thoughts, guesser,
-                                  guess_action)
+            policy = (RandomPolicy(env_name, rng.randrange(1 << 30), fmt) if mover == "random"
+                      else ExpertPolicy(pool, env_name, fmt, rng, noise, thoughts, guesser,
+                                        guess_action))
             turns = guess_turns if guesser else max_turns
             cfg = RolloutConfig(max_turns=turns, max_context=1 << 30, check_template=False)
             played = rollout(policy, pool, env_name, [item], [group], cfg, fmt=fmt)
@@ -337,6 +342,10 @@ def copy_pretrain(model, tokenizer, texts: list[str], steps: int, lr: float = 1e
 # `tasks`: how many training tasks, spread over the split (0: all). Build times and results on
 # 2 cores: docs/results.md.
 WARM_START = {
+    # Corridor's start knows the form of a move and nothing of the game: it clones a random
+    # mover (one word a reply, left or right at random, whatever the observation says), so it
+    # starts at chance and everything above that is RL's
+    "corridor": dict(mover="random", tasks=0, noise=0.0, epochs=8, lr=3e-3, batch_size=8),
     "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8,
                       thoughts=True,
                       guess=0.75, guess_turns=3, guess_epochs=1, guess_lr=1e-3),
@@ -470,7 +479,8 @@ def clone_stage(env: str, base: str, out: str, recipe: dict, epochs: int, lr: fl
     ids = recipe_tasks(env, recipe)
     data = expert_trajectories(env, ids, ChatFormat(tokenizer), recipe["noise"], seed,
                                thoughts=recipe.get("thoughts", False),
-                               won_only=recipe.get("won_only", False), **guesser)
+                               won_only=recipe.get("won_only", False),
+                               mover=recipe.get("mover", "expert"), **guesser)
     losses = sft(model, tokenizer, data, epochs, lr, batch_size=recipe["batch_size"],
                  seed=seed, dtype=dtype)
     os.makedirs(out, exist_ok=True)

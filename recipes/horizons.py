@@ -27,8 +27,12 @@ fixed arm, task by task, seeds pooled, with tools/paired.py's 95% interval. `--s
 (no checkpoints) leaves this comparison out.
 
 At the end: OUT/horizons.png (held-out success against step, the mean over seeds with a min-max
-band; training success per step, mean over seeds, trailing mean over 5 steps), and one table in
-OUT/horizons.md and OUT/horizons.json.
+band, chance dashed; training success per step, mean over seeds, trailing mean over 5 steps), and
+one table in OUT/horizons.md and OUT/horizons.json (with the commit the code came from).
+
+The study holds OUT (OUT/.lock) while it runs: a second one into it is refused in one line naming
+the first. A run folder that cannot be read (a trainer_state.pt cut short, a metrics line that is
+not a step's) is named and skipped; the other runs go on. A begun study keeps its --steps.
 """
 
 from __future__ import annotations
@@ -146,6 +150,11 @@ def parse_args(argv=None):
         p.error(f"--{mine[0].replace('_', '-')} is the study's to set for each run: give it "
                 "before `--`, or leave it out")
     check_out(p, a.out, [run_name(arm, seed) for seed in a.seeds for arm in a.arms])
+    from trainer.checkpoints import folder_holder
+
+    if holder := folder_holder(a.out):  # a study running there would lose runs to this one
+        p.error(f"--out {a.out} is in use by {holder}: wait for it to end, or give another "
+                "--out")
     from trainer.config import parse_args as train_args  # train.py's parser (imports torch)
 
     a.eval_turns = a.eval_turns or max(k for arm in a.arms for k in horizons(arm))
@@ -162,7 +171,7 @@ def parse_args(argv=None):
         for arm in a.arms:
             cfg = train_args(run_argv(a, arm, seed, out=None))
             job = Job(arm, seed, os.path.join(a.out, run_name(arm, seed)), len(a.jobs) + 1)
-            if saved_run(job.out):
+            if saved_run(job.out) and not damaged(job.out):  # a damaged one is skipped
                 check_saved(p, job.out, asdict(cfg))
             a.jobs.append(job)
     a.cfg = cfg  # the settings every run shares (its seed and schedule aside)
@@ -211,6 +220,11 @@ def check_saved(p, out: str, fresh: dict) -> None:
     if not isinstance(saved, dict):
         p.error(f"--out: {path} is not a run's config (a JSON object): remove that run folder "
                 "to train it again")
+    if "steps" in saved and saved["steps"] != fresh["steps"]:
+        p.error(f"--steps {fresh['steps']}: {out} was run for {saved.get('steps')} steps; a "
+                "study cannot change its length once begun (a staged arm spreads its stages "
+                "over --steps, so more steps would move its stages mid-run): give the study's "
+                "own --steps, or another --out for the longer study")
     for name in sorted(set(fresh) - WHERE):
         if name in saved and saved[name] != fresh[name]:
             p.error(f"--out: {out} was run with {name} = {json.dumps(saved[name])}, this command "
@@ -241,6 +255,32 @@ def device_name(ids: list[str]) -> str:
 
 
 # ================================================================ what each run has left to do
+def damaged(out: str) -> str | None:
+    """What makes a run folder unreadable, in a few words (a trainer_state.pt cut short, a
+    metrics or eval line that is not a step's), or None. Such a run is reported and skipped;
+    the others go on."""
+    from trainer.checkpoints import find_checkpoint, load_data
+
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        try:
+            for r in rows(os.path.join(out, name)):
+                if not isinstance(r, dict) or type(r.get("step")) is not int:
+                    return f"{name} has a line that is not a step's: {json.dumps(r)[:80]}"
+        except (OSError, ValueError) as e:
+            return f"{name} cannot be read ({e})"
+    ckpt = find_checkpoint(out)
+    if ckpt:
+        try:
+            step = load_data(os.path.join(ckpt, "trainer_state.pt"))["step"]
+            if type(step) is not int:
+                raise ValueError(f"its step is {step!r}")
+        except ValueError as e:  # load_data's: it names the file and what torch said
+            return str(e).split(". ")[0]
+        except Exception as e:  # torch.load's errors on a cut file have no common type
+            return f"{ckpt}/trainer_state.pt cannot be read ({type(e).__name__})"
+    return None
+
+
 def finished(out: str, steps: int) -> bool:
     return (os.path.exists(os.path.join(out, "summary.json"))
             and len(rows(os.path.join(out, "metrics.jsonl"))) == steps)
@@ -281,7 +321,8 @@ def plan(a, job: Job, held_out: str) -> str:
             "--engine", c.engine, "--dtype", c.dtype, "--cache-dir", c.cache_dir,
             *(["--env-addr", c.env_addr] if c.env_addr else []),
             *(["--vllm-eager"] if c.vllm_eager else []),
-            "--out", os.path.join(job.out, "eval_end.json")]))
+            "--out", os.path.join(job.out, "eval_end.json"),
+            "--overwrite"]))  # one there is unreadable (end_result): played again
     return what if job.commands else "finished, skipped"
 
 
@@ -413,13 +454,25 @@ class Study:
 
 
 def main(argv=None) -> dict | None:
+    from trainer.checkpoints import FolderInUse, hold_folder
+
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)  # the first write: every check has passed
+    try:  # the first write, every check passed: the study's folder is this process's
+        lock = hold_folder(a.out)  # noqa: F841  held while this process lives
+    except FolderInUse as e:
+        sys.exit(f"python -m recipes.horizons: --out {e}: wait for it to end, or give "
+                 "another --out")
+    a.damaged = []
     # the end evaluations' tasks, written again whenever one is to be played
     ends = a.cfg.save_every != -1 and any(end_result(j.out) is None for j in a.jobs)
     held_out = held_out_tasks(a) if ends else ""
     todo = []
     for job in a.jobs:
+        if problem := damaged(job.out):
+            a.damaged.append(job.name)
+            print(f"[{job.index}/{len(a.jobs)}] {job.name}: damaged, skipped: {problem}; "
+                  "remove that folder to train it again", flush=True)
+            continue
         what = plan(a, job, held_out)
         print(f"[{job.index}/{len(a.jobs)}] {job.name}: {what}", flush=True)
         if job.commands:

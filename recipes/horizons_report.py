@@ -4,6 +4,9 @@ alone: OUT/horizons.png, and one table in OUT/horizons.md and OUT/horizons.json.
 - Held-out success: each run's eval.jsonl (train.py's evaluations, every --eval-every steps, at the
   study's one evaluation horizon on the same tasks); an arm's curve is the mean over seeds at the
   steps every seed evaluated, its band the min-max over seeds.
+- Chance: each run's first evaluation plays a random policy on the same tasks and horizon
+  (eval.jsonl's `chance`); the study's is their mean, a dashed line in the figure, and a study in
+  which no arm ends above it is called uninformative.
 - Training success: each run's metrics.jsonl, mean over seeds per step; in the figure a trailing
   mean over WINDOW steps (faint: per step); in the table the mean of the first and of the last k
   steps, k = min(5, steps / 2), as train.py's summary takes them.
@@ -109,6 +112,7 @@ def read_run(out: str) -> dict:
                + sum(e.get("time_s", 0.0) for e in evals))
     upd = [r for r in m if r.get("time_update_s", 0) > 0]
     return {"evals": {e["step"]: e for e in evals},
+            "chance": next((e["chance"] for e in evals if e.get("chance") is not None), None),
             "train": {r["step"]: r["success_rate"] for r in m},
             "first": mean([r["success_rate"] for r in m[:k]]), "k": k,
             "last": mean([r["success_rate"] for r in m[-k:]]), "minutes": seconds / 60,
@@ -120,23 +124,29 @@ def read_run(out: str) -> dict:
 
 def arm_row(a, arm: str) -> dict:
     """One arm's line of the table, and its curves, over its seeds."""
-    runs = [read_run(os.path.join(a.out, run_name(arm, s))) for s in a.seeds]
-    shared = sorted(set.intersection(*(set(r["evals"]) for r in runs)))
+    seeds = [s for s in a.seeds if run_name(arm, s) not in getattr(a, "damaged", ())]
+    runs = [read_run(os.path.join(a.out, run_name(arm, s))) for s in seeds]
+    shared = sorted(set.intersection(*(set(r["evals"]) for r in runs))) if runs else []
     curve = []
     for step in shared:
         xs = [r["evals"][step]["success_rate"] for r in runs]
         curve.append({"step": step, "mean": mean(xs), "min": min(xs), "max": max(xs),
                       "per_seed": xs})
-    steps = sorted(set.intersection(*(set(r["train"]) for r in runs)))
-    ends = [end_result(os.path.join(a.out, run_name(arm, s))) for s in a.seeds]
-    return {"arm": arm, "label": label(arm), "seeds": a.seeds,
-            "runs": [run_name(arm, s) for s in a.seeds],
+    steps = sorted(set.intersection(*(set(r["train"]) for r in runs))) if runs else []
+    ends = [end_result(os.path.join(a.out, run_name(arm, s))) for s in seeds]
+    return {"arm": arm, "label": label(arm), "seeds": seeds,
+            "runs": [run_name(arm, s) for s in seeds],
             "held_out_first": {"step": curve[0]["step"], **stat(curve[0]["per_seed"])}
             if curve else None,
             "held_out_last": {"step": curve[-1]["step"], **stat(curve[-1]["per_seed"])}
             if curve else None,
-            "held_out_tasks": next(iter(runs[0]["evals"].values()), {}).get("tasks", 0),
-            "train_success_steps": runs[0]["k"],
+            "held_out_tasks": next(iter(runs[0]["evals"].values()), {}).get("tasks", 0)
+            if runs else 0,
+            # a random policy's held-out success on the same tasks and K (None: the game
+            # defines none)
+            "chance": mean([r["chance"] for r in runs if r["chance"] is not None]) if any(
+                r["chance"] is not None for r in runs) else None,
+            "train_success_steps": runs[0]["k"] if runs else 0,
             "train_success_first": stat([r["first"] for r in runs]),
             "train_success_last": stat([r["last"] for r in runs]),
             "minutes": stat([r["minutes"] for r in runs]),
@@ -144,7 +154,7 @@ def arm_row(a, arm: str) -> dict:
                               for e in ends if e]),
             "gen_tokens_per_s": mean([r["gen_tokens_per_s"] for r in runs]),
             "train_tokens_per_s": mean([r["train_tokens_per_s"] for r in runs]),
-            "peak_gpu_mb": max(r["peak_gpu_mb"] for r in runs),
+            "peak_gpu_mb": max((r["peak_gpu_mb"] for r in runs), default=0.0),
             "curve": curve,
             "train_curve": [[s, mean([r["train"][s] for r in runs])] for s in steps]}
 
@@ -209,6 +219,9 @@ def draw(a, table: list[dict], path: str) -> None:
             if j * every < a.steps:
                 for ax in (left, right):
                     ax.axvline(j * every + 0.5, color=c, linestyle=":", linewidth=1)
+    if (c := study_chance(table)) is not None:
+        left.axhline(c, color="black", linestyle="--", linewidth=1.2,
+                     label=f"chance (a random policy): {100 * c:.1f}%")
     tasks = max((t["held_out_tasks"] for t in table), default=0)
     left.set(title=f"held-out success (K={a.eval_turns}, {tasks} tasks x {a.cfg.eval_samples})\n"
                    "mean over seeds; band: min-max over seeds", xlabel="step", ylabel="success")
@@ -217,10 +230,34 @@ def draw(a, table: list[dict], path: str) -> None:
     for ax in (left, right):
         ax.set_ylim(bottom=-0.02)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a study whose runs were all skipped has none
+            ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def study_chance(table: list[dict]) -> float | None:
+    """The random policy's held-out success, the mean over the study's runs (each plays it with
+    its own seed on the same tasks and K); None where the game defines none."""
+    xs = [t["chance"] for t in table if t.get("chance") is not None]
+    return mean(xs) if xs else None
+
+
+def verdict(table: list[dict]) -> str:
+    """Whether the study could tell the arms apart: only if some arm ended above chance."""
+    c = study_chance(table)
+    if c is None:
+        return "Chance: the game defines no random policy, so none is drawn."
+    ends = [t["held_out_last"]["mean"] for t in table if t["held_out_last"]]
+    above = [t["label"] for t in table
+             if t["held_out_last"] and t["held_out_last"]["mean"] > c]
+    if not ends or not above:
+        return (f"Chance (a random policy on the same tasks and K): {pct(c)}. "
+                "**Uninformative: no arm ended above chance**, so the study cannot tell the arms "
+                "apart.")
+    return (f"Chance (a random policy on the same tasks and K): {pct(c)}. Ended above "
+            f"it: {', '.join(above)}.")
 
 
 def pct(x) -> str:
@@ -251,6 +288,7 @@ def markdown(a, table: list[dict], pairs: list[dict], how: str) -> str:
                      f"{pct(l and l['mean'])} (step {l and l['step']}) | {seeds} | "
                      f"{pct(t['train_success_first']['mean'])} -> "
                      f"{pct(t['train_success_last']['mean'])} | {t['minutes']['mean']:.2f} |")
+    lines += ["", verdict(table)]
     lines += ["", "| arm | generation tokens/s | training tokens/s | peak GPU MB |",
               "|---|---|---|---|"]
     lines += [f"| {t['label']} | {t['gen_tokens_per_s']:.0f} | {t['train_tokens_per_s']:.0f} | "
@@ -269,6 +307,24 @@ def markdown(a, table: list[dict], pairs: list[dict], how: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_commit() -> str | None:
+    """The commit the study's code came from (git rev-parse HEAD, "+changes" when the work tree
+    differs from it); None outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def report(a) -> dict:
     """Read every run of the study, write the figure and the table, print the table."""
     table = [arm_row(a, arm) for arm in a.arms]
@@ -278,6 +334,7 @@ def report(a) -> dict:
     with open(os.path.join(a.out, "horizons.md"), "w") as f:
         f.write(text)
     result = {"env": a.env, "model": a.model, "device": a.device, "steps": a.steps,
+              "commit": source_commit(), "damaged_runs": list(getattr(a, "damaged", [])),
               "seeds": a.seeds, "eval_every": a.eval_every, "eval_turns": a.eval_turns,
               "eval_samples": a.cfg.eval_samples, "parallel": a.parallel,
               "band": "min-max over seeds", "train_smoothing": f"trailing mean of {WINDOW} steps",

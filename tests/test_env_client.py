@@ -441,6 +441,10 @@ def test_each_retry_of_a_read_gets_its_own_deadline(trickler):
     ({"observation": "o", "reward": 1.0, "done": 2}, "done"),
     ({"observation": "o", "reward": 1.0, "done": None}, "done"),
     ({"observation": "o", "reward": math.nan, "terminated": True, "truncated": False}, "reward"),
+    # finite, but infinite as the trainer's float32 (it used to end the run in algos._finite)
+    ({"observation": "o", "reward": 1e39, "done": True}, "reward"),
+    ({"observation": "o", "reward": 0.0, "score": 1e308, "done": True}, "score"),
+    ({"observation": "o", "reward": -10 ** 39, "done": False}, "reward"),
     ({"observation": "o", "reward": 1.0, "terminated": "true", "truncated": False}, "terminated"),
     ({"observation": "o", "reward": 1.0, "terminated": False, "truncated": "no"}, "truncated"),
 ])
@@ -456,6 +460,8 @@ def test_valid_step_answers_still_parse():
     # ints for done: some servers
     s = _step_from(json.loads('{"observation": "o", "reward": 1, "done": 1}'))
     assert (s.reward, s.done) == (1.0, True) and isinstance(s.reward, float)
+    big = _step_from({"observation": "o", "reward": 3.4e38, "done": True})  # float32's range
+    assert big.reward == 3.4e38
     assert _step_from({"observation": "o", "reward": 0.5, "done": 0}).done is False
     babyai = _step_from({"observation": "o", "reward": 0.0, "score": 0.75, "done": True})
     sciworld = _step_from({"observation": "o", "reward": 3, "score": 35, "done": False, "info": {}})

@@ -16,6 +16,7 @@ from flask import Flask, jsonify
 from env_server import agents
 import eval as ev
 from env_server.app import ServerProcess, serve_wsgi_in_thread
+from rollout import RandomPolicy
 from tools import eval_outputs
 
 
@@ -469,6 +470,8 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
     real, calls = ev.rollout, []
 
     def counted(*a, **k):  # one call per chunk; the third of the first run is cut
+        if isinstance(a[0], RandomPolicy):  # chance's chunks, after the policy's: not counted
+            return real(*a, **k)
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
@@ -562,3 +565,22 @@ def test_a_dialogue_past_the_request_budget_ends_as_context_limit(tmp_path, corr
     assert len(sizes) == 8 and max(sizes) <= 300 * 1024, sizes
     with open(tmp_path / "ep.rollouts.jsonl") as f:
         assert [json.loads(x)["turns"] for x in f] == [4, 4]
+
+
+def test_a_result_is_not_replaced_without_a_word(tmp_path, corridor_url, capsys):
+    """eval.py again into an --out that holds a result (an earlier --compare may read it) is
+    refused in one line naming its settings, before anything plays; --overwrite replaces it."""
+    out = str(tmp_path / "r.json")
+    common = ["--env", "corridor", "--env-addr", corridor_url, "--random", "--max-turns", "3",
+              "--limit", "2", "--out", out]
+    ev.main(ev.parse_args([*common, "--n", "2"]))
+    before = open(out).read()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args([*common, "--n", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f"--out {out} already holds a result (random, n 2, --max-turns 3)" in err
+    assert "--overwrite" in err and open(out).read() == before
+    res = ev.main(ev.parse_args([*common, "--n", "4", "--overwrite"]))
+    assert res["n"] == 4 and json.load(open(out))["n"] == 4

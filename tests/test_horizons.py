@@ -63,6 +63,11 @@ def test_a_study_runs_reports_and_is_skipped_when_done(tmp_path, capsys):
     assert pair["change"] == c["change"] and pair["ci95"] == c["ci95"]
     md = open(out / "horizons.md").read()
     assert "| K=2 | 1 |" in md and "| K=2->4 (ScalingInter-RL) | K=2 |" in md
+    # chance beside the curves: each run's random policy on the same tasks and K, in the table
+    chance = [jsonl(runs[arm] / "eval.jsonl")[0]["chance"] for arm in ("2", "2,4")]
+    assert [t["chance"] for t in table["arms"]] == chance and 0 < chance[0] < 1
+    assert "Chance (a random policy on the same tasks and K)" in md
+    assert table["commit"] is None or len(table["commit"].split("+")[0]) == 40
     assert pair["by_seed"]["seeds"] == [0] and pair["by_seed"]["ci95"] is None  # one seed
     assert pair["by_seed"]["change"] == pytest.approx(c["end"] - c["start"])
     assert os.path.getsize(out / "horizons.png") > 10_000
@@ -100,7 +105,7 @@ def fake_run(folder, steps: int, checkpoint_step=None, finished=False, **config)
     with open(folder / "config.json", "w") as f:
         json.dump(config, f)
     with open(folder / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps({"step": s, "success_rate": 0.0}) + "\n"
+        f.writelines(json.dumps({"step": s, "success_rate": 0.0, "tokens_per_s": 0.0}) + "\n"
                      for s in range(1, steps + 1))
     if checkpoint_step is not None:
         os.makedirs(folder / "checkpoint")
@@ -168,3 +173,55 @@ def test_the_test_by_seed_is_each_seeds_difference_with_a_t_interval(tmp_path):
     half = 4.303 * (7 / 48) ** 0.5 / 3 ** 0.5
     assert r["change"] == pytest.approx(5 / 12)
     assert r["ci95"] == pytest.approx([5 / 12 - half, 5 / 12 + half])
+
+
+def test_a_study_into_a_folder_in_use_is_refused_in_one_line(tmp_path, capsys):
+    """A second study started into the --out of a running one would delete that one's run
+    folders: refused, naming the holder, while the lock is held; free once it is let go."""
+    from trainer.checkpoints import hold_folder
+
+    out = tmp_path / "h"
+    lock = hold_folder(str(out))
+    argv = [*ARMS, "--out", str(out), "--", *FAST]
+    with pytest.raises(SystemExit) as e:
+        horizons.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is in use by pid" in err and len(err.strip().splitlines()) == 1
+    lock.close()
+    horizons.parse_args(argv)  # free again
+
+
+def test_a_damaged_run_is_reported_and_skipped_while_the_others_go_on(tmp_path, capsys):
+    out = tmp_path / "h"
+    argv = ["--env", "corridor", "--arms", "2", "2,4", "5", "--steps", "2", "--eval-every", "1",
+            "--out", str(out), "--", *FAST]
+    cut, garbled, done = (out / horizons.run_name(arm, 0) for arm in ("2", "2,4", "5"))
+    fake_run(cut, 1, checkpoint_step=1)
+    with open(cut / "checkpoint" / "trainer_state.pt", "r+b") as f:
+        f.truncate(20)  # cut short
+    fake_run(garbled, 1, checkpoint_step=1)
+    with open(garbled / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": "two", "success_rate": 0.0}) + "\n")
+    fake_run(done, 2, checkpoint_step=2, finished=True)
+    (done / "eval_end.json").write_text(json.dumps(
+        {"tasks": [{"item_id": 1, "scores": [1.0]}], "overall": {"avg@1": 1.0}}))
+    result = horizons.main(argv)
+    shown = capsys.readouterr().out
+    assert "K2_s0: damaged, skipped: " in shown and "trainer_state.pt cannot be read" in shown
+    assert "K2-4_s0: damaged, skipped: metrics.jsonl has a line that is not a step's" in shown
+    assert "K5_s0: finished, skipped" in shown and "0 of 3 runs to do" in shown
+    assert result["damaged_runs"] == ["K2_s0", "K2-4_s0"]
+    assert [t["seeds"] for t in result["arms"]] == [[], [], [0]]
+    assert result["commit"] is None or len(result["commit"].split("+")[0]) == 40
+
+
+def test_a_longer_study_into_a_begun_one_is_refused_in_words(tmp_path, capsys):
+    out = tmp_path / "h"
+    run = out / horizons.run_name("2", 0)
+    fake_run(run, 2, checkpoint_step=2, finished=True)
+    (run / "config.json").write_text(json.dumps({"steps": 2}))
+    with pytest.raises(SystemExit):
+        horizons.parse_args([*ARMS[:-4], "--steps", "4", "--eval-every", "1", "--out", str(out),
+                             "--", *FAST])
+    err = capsys.readouterr().err
+    assert "--steps 4" in err and "was run for 2 steps" in err and "schedule_every" not in err

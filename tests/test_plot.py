@@ -43,9 +43,10 @@ def test_held_out_evaluations_get_their_own_panel(tmp_path):
     write_run(tmp_path / "r", [2] * 3 + [4] * 3, "2,4")
     with open(tmp_path / "r" / "eval.jsonl", "w") as f:
         for step, rate in ((6, 0.5), (0, 0.25), (3, 0.3)):
-            f.write(json.dumps({"step": step, "success_rate": rate}) + "\n")
+            f.write(json.dumps({"step": step, "success_rate": rate, "chance": 0.2}) + "\n")
     run = plot.read_run(str(tmp_path / "r"))
     assert run["eval_steps"] == [0, 3, 6] and run["eval_success"] == [0.25, 0.3, 0.5]
+    assert run["chance"] == 0.2  # drawn dashed on the held-out panel
     import matplotlib.pyplot as plt
     seen = []
     real = plt.subplots

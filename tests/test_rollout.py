@@ -263,7 +263,7 @@ def test_outcomes_leave_env_errors_out_of_the_rates():
 
     def episode(status, reward, turns, thought=None):
         msgs = opening_messages("corridor", "You are at 3.") + [
-            {"role": "assistant", "content": react_reply("corridor", "left", thought)}]
+            {"role": "assistant", "content": react_reply("textcraft", "inventory", thought)}]
         return Trajectory("corridor", 0, 0, msgs, [], [], [], turns=turns, status=status,
                           reward=reward)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from env_server.agents import SCHEMES
+from env_server.agents import SCHEMES, has_chance
 from tools import endpoint, eval_outputs, paired, run_settings
 from trainer import cli
 
@@ -26,6 +26,9 @@ class EvalConfig(cli.Shared):
     checkpoint: str | None = arg(None, "a training run folder (or its checkpoint/): its model, "
                                        "played with the run's env, agent, horizon and sampling "
                                        "unless flags say else")
+    random: bool = arg(False, "a random policy, no model: chance (each turn a move drawn uniformly "
+                              "from the game's, agents.random_moves); with --checkpoint, at that "
+                              "run's settings", group='policy')
     endpoint: str | None = arg(None, "OpenAI-compatible base URL, e.g. http://host:8000/v1",
                                group='policy')
     endpoint_model: str | None = arg(None, "model name to send to the endpoint", group='policy')
@@ -59,6 +62,9 @@ class EvalConfig(cli.Shared):
     curriculum: str | None = arg(None, "also write FILE: the ids of the tasks solved only "
                                        "sometimes, for --tasks-file (n >= 2, sampled, train split)",
                                  group='run')
+    overwrite: bool = arg(False, "replace the result --out already holds (without it, such an "
+                                 "--out is refused: an earlier --compare may read it)",
+                          group='run')
     compare: str | None = arg(None, "START.json,END.json (a side may pool A.json+B.json): compared "
                                     "task by task, a 95% interval and a sign test; plays nothing")
 
@@ -71,6 +77,8 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
         return cfg
     if sum(x is not None for x in (cfg.checkpoint, cfg.model, cfg.endpoint)) > 1:
         p.error("give at most one of --checkpoint, --model, --endpoint")
+    if cfg.random and (cfg.model or cfg.endpoint):
+        p.error("--random plays no model: leave out --model and --endpoint")
     if cfg.endpoint and not cfg.endpoint_model:
         p.error("--endpoint needs --endpoint-model: the model name the server serves")
     if cfg.endpoint and (wrong := endpoint.address_error(cfg.endpoint)):
@@ -86,6 +94,9 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
         p.error(f"--seed {cfg.seed}: a seed must fit in 64 bits")
     cli.check_device(p, cfg.device)
     cli.check_env(p, cfg)
+    if cfg.random and not has_chance(cfg.env):
+        p.error(f"--random: {cfg.env} defines no random policy (agents.register_env's "
+                "random_moves)")
     cli.check_model(p, cfg.model)
     eval_outputs.check_curriculum(p, cfg)  # sampled, n >= 2, not on the test split
     if cfg.greedy:
@@ -101,6 +112,19 @@ def parse_args(argv=None, doc: str = "") -> EvalConfig:
     return cfg
 
 
+def settings_of(path: str) -> str:
+    """A few words on the settings of the result in `path` (its policy, n, K), for a refusal."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        return (f" ({c.get('policy')}, n {c['config']['n']}, --max-turns "
+                f"{c['config']['max_turns']})")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+
+
 def check_files(p, cfg: EvalConfig) -> None:
     """--out and --curriculum: files that can be made in folders this process may write in, and
     not the same file (the task list would replace the result); checked before anything plays,
@@ -110,6 +134,9 @@ def check_files(p, cfg: EvalConfig) -> None:
         named.append(("--curriculum", cfg.curriculum, "the file the task ids are written to"))
     for flag, path, what in named:
         cli.check_writable(p, flag, path, what, folder=False)
+    if os.path.isfile(cfg.out) and not cfg.overwrite:
+        p.error(f"--out {cfg.out} already holds a result{settings_of(cfg.out)}: give another "
+                "--out, or --overwrite to replace it")
     if cfg.curriculum is not None:
         log = os.path.splitext(cfg.out)[0] + ".rollouts.jsonl"
         mine = {os.path.realpath(x) for x in (cfg.out, log, eval_outputs.partial_path(cfg.out))}

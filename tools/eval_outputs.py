@@ -186,11 +186,20 @@ def write_curriculum(result: dict, path: str) -> None:
 
 def print_table(result: dict) -> None:
     """eval.py's table: Avg@n and Pass@n per category and overall, then `print_details`."""
-    n = result["n_scored"]
+    n, chance = result["n_scored"], result.get("chance")
     head = f"{'category':<24}{'tasks':>7}{'avg@' + str(n):>10}{'pass@' + str(n):>10}"
+    if chance:  # the random policy's on the same episodes
+        head += f"{'chance avg@' + str(n):>14}{'chance pass@' + str(n):>15}"
     print(head + "\n" + "-" * len(head))
     for name, row in [*result["by_category"].items(), ("overall", result["overall"])]:
-        print(f"{name:<24}{row['tasks']:>7}{row[f'avg@{n}']:>10.3f}{row[f'pass@{n}']:>10.3f}")
+        line = f"{name:<24}{row['tasks']:>7}{row[f'avg@{n}']:>10.3f}{row[f'pass@{n}']:>10.3f}"
+        if chance:
+            c = chance["overall"] if name == "overall" else chance["by_category"].get(name)
+            line += (f"{c[f'avg@{n}']:>14.3f}{c[f'pass@{n}']:>15.3f}" if c and f"avg@{n}" in c
+                     else f"{'-':>14}{'-':>15}")
+        print(line)
+    if chance is None and result.get("policy") != "random":
+        print("chance: this game defines no random policy (agents.register_env's random_moves)")
     print_details(result)
 
 

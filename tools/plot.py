@@ -82,7 +82,9 @@ def read_run(run_dir: str) -> dict:
             "update_kl": [nan_if_none(r.get("update_kl")) for r in rows],
             "groups_informative": [nan_if_none(r.get("groups_informative")) for r in rows],
             "eval_steps": [r["step"] for r in evals],
-            "eval_success": [r["success_rate"] for r in evals], "config": config}
+            "eval_success": [r["success_rate"] for r in evals], "config": config,
+            # a random policy's held-out success on the same tasks and K (None: not measured)
+            "chance": next((r["chance"] for r in evals if r.get("chance") is not None), None)}
 
 
 def nan_if_none(x) -> float:
@@ -160,8 +162,13 @@ def plot(run_dirs: list[str], out: str, window: int = 5, labels: list[str] | Non
             if i != shaded and run_stages[i] != run_stages[shaded]:
                 for a, _b, _k in run_stages[i][1:]:
                     ax.axvline(a - 0.5, color=c, linestyle=":", linewidth=1)
-            if key == "eval_success":  # a few points: drawn as they are
+            if key == "eval_success":  # a few points: drawn as they are, chance dashed
                 ax.plot(r["eval_steps"], r[key], color=c, linewidth=2, marker="o", label=name)
+                if r["chance"] is not None:
+                    ax.axhline(r["chance"], color=c, linestyle="--", linewidth=1)
+                    ax.text(r["eval_steps"][-1], r["chance"], f"chance {r['chance']:.3f} ",
+                            color=c, fontsize=7, va="bottom", ha="right")
+                ax.set_ylim(bottom=0)
                 continue
             # spans decades, and a single step that moved far is the point: raw, log scale
             if key == "update_kl":

@@ -207,3 +207,52 @@ def truncate_logs(out: str, last_step: int) -> None:
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name.startswith("step_") and name[5:11].isdigit() and int(name[5:11]) > last_step:
             os.remove(os.path.join(folder, name))
+
+
+# ---------------------------------------------------------------- one writer a folder
+LOCK = ".lock"  # OUT/.lock: held (flock) by the process that writes the folder, while it runs
+
+
+def folder_holder(out: str) -> str | None:
+    """Who holds OUT's lock now ("pid N: its command"), or None: a lock whose process ended is
+    free (the kernel drops a flock with its process, kill -9 included)."""
+    import fcntl
+
+    path = os.path.join(out, LOCK)
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        return None
+
+
+class FolderInUse(Exception):
+    """OUT's lock is held by another process; the message names it."""
+
+
+def hold_folder(out: str):
+    """Take OUT's lock for as long as this process lives (or until `release(handle)`): two
+    runs writing one folder would interleave their metrics and overwrite each other's
+    checkpoints. Raises FolderInUse naming the holder. Makes OUT if needed."""
+    import fcntl
+    import sys
+
+    os.makedirs(out, exist_ok=True)
+    f = open(os.path.join(out, LOCK), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise FolderInUse(f"{out} is in use by {holder}") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}: {shlex.join([os.path.basename(sys.executable), *sys.argv])}")
+    f.flush()
+    return f

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import algos
 from env_server.agents import SCHEMES, make_agent
 from scheduler import SCHEDULES, horizons, make_schedule, stage_steps
-from trainer.checkpoints import ended_at, find_checkpoint, load_data, weights_problem
+from trainer.checkpoints import (ended_at, find_checkpoint, folder_holder, load_data,
+                                 weights_problem)
 from trainer.cli import (Shared, arg, check_device, check_env, check_model, check_positive,
                          check_ranges, check_reporter, check_writable, parse_config)
 from trainer.report import REPORTERS
@@ -198,6 +199,9 @@ def parse_args(argv=None, description: str = TRAIN_DOC) -> Config:
         "eval_tasks": "[0, inf)", "eval_turns": "[1, inf)", "schedule_every": "[1, inf)",
         "env_timeout": "(0, inf)", "env_wait": "[0, inf)", "max_env_error_share": "[0, 1)",
         "env_error_patience": "[1, inf)"})
+    if cfg.out and (holder := folder_holder(cfg.out)):  # a live run's: a second writer
+        p.error(f"--out {cfg.out} is in use by {holder}: wait for it to end, or give another "
+                "folder")
     checks = [(cfg.max_context > cfg.max_new_tokens,
                "--max-context must be larger than --max-new-tokens"),
               (not cfg.resume or cfg.out, "--resume needs --out: the run folder to continue"),

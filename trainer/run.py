@@ -31,11 +31,12 @@ from tqdm import tqdm
 
 import algos
 from engines import HFEngine
-from eval import held_out
+from eval import CHANCE_SAMPLES, held_out
+from env_server.agents import has_chance
 from env_client import EnvError, EnvPool, Transport
 from models.policy import dtype_name
-from rollout import (ChatFormat, RolloutConfig, Trajectory, build_batch, informative_groups,
-                     length_buckets, outcomes, write_log)
+from rollout import (ChatFormat, RandomPolicy, RolloutConfig, Trajectory, build_batch,
+                     informative_groups, length_buckets, outcomes, write_log)
 from scheduler import horizons
 from trainer.checkpoints import resume_command, save_checkpoint
 from trainer.config import Config
@@ -121,6 +122,8 @@ class Run:
     t_start: float = 0.0
     minutes_before: float = 0.0  # the run's minutes up to its checkpoint (--resume)
     bad_steps: int = 0  # steps in a row not trained on for env errors
+    chance: dict | None = None  # a random policy's held-out success (the first evaluation's)
+    before_update: tuple = ((0, None), [])  # (safe, optimizer_steps) as the update began
 
     # ---------------------------------------------------------------- train.py's named points
     def steps(self):
@@ -195,7 +198,8 @@ class Run:
     def critical(self):
         """The update and the weight sync: a signal waits for the end (never save half an
         update: until run.log, run.safe holds no state); the rollout's threads back after."""
-        with self.intr.critical():
+        with self.intr.critical():  # crashed() saves the step before if no weight moves
+            self.before_update = (self.safe, optimizer_steps(self.optims))
             self.safe = (self.safe[0], None)
             try:
                 yield
@@ -219,6 +223,11 @@ class Run:
         # a signal the critical section held back stops the run after it: with this step saved
         self.safe = (step, snapshot(self))
         self.last = m
+
+
+def optimizer_steps(optims: dict) -> list[float]:
+    """Adam's step count of each parameter: it changes exactly when a weight may have moved."""
+    return [float(st.get("step", 0)) for o in optims.values() for st in o.state.values()]
 
 
 def restart_if_dead(server) -> None:
@@ -268,14 +277,23 @@ def evaluate(run: Run, step: int) -> None:
         r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen,
                      cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories,
                      cfg.eval_samples)
+    if run.chance is None and has_chance(cfg.env):  # once a run: it does not learn
+        c = held_out(None, None, run.url, cfg.env, run.test_ids, rcfg, step, None,
+                     cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories,
+                     max(cfg.eval_samples, CHANCE_SAMPLES), policy=RandomPolicy(cfg.env, cfg.seed))
+        run.chance = {"chance": c["success_rate"], "chance_by_category": c["by_category"],
+                      "chance_samples": c["samples"]}
+    if run.chance is not None:  # a random policy's on the same tasks and K
+        r.update(run.chance)
     run.evals.append(r)
     if global_rank() == 0:
         with open(os.path.join(cfg.out, "eval.jsonl"), "a") as f:
             f.write(json.dumps(r) + "\n")
         run.reporter.log("eval", r, step)
+        beside = f", chance {r['chance']:.3f}" if "chance" in r else ""
         tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on "
                    f"{r['tasks']} test tasks x {r['samples']} (K={rcfg.max_turns}, "
-                   f"{r['time_s']:.0f}s)")
+                   f"{r['time_s']:.0f}s{beside})")
 
 
 def snapshot(run: Run) -> dict:

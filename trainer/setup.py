@@ -32,14 +32,15 @@ from models.names import chat_format
 from models.policy import (Critic, dtype_name, load_model, load_tokenizer, pad_id, prepare,
                            resolve_dtype)
 from scheduler import make_schedule, stage_steps
-from trainer.checkpoints import (find_checkpoint, load_checkpoint, previous_minutes, read_log,
+from trainer.checkpoints import (FolderInUse, find_checkpoint, hold_folder, load_checkpoint,
+                                 previous_minutes, read_log,
                                  resume_command, truncate_logs)
 from trainer.cli import cpu_threads, serving_env, task_lists
 from trainer.config import Config, check_context
 from trainer.distributed import (Precision, barrier, broadcast_value, global_rank,
                                  init_distributed, world_size)
 from trainer.report import make_reporter
-from trainer.run import Interrupts, Run, save
+from trainer.run import Interrupts, Run, optimizer_steps, save
 from trainer.tasks import spread
 
 
@@ -82,7 +83,11 @@ def started(cfg: Config):
             # the run's first writes, after every check (a refused start leaves no
             # config.json)
             if rank == 0:
-                os.makedirs(cfg.out, exist_ok=True)
+                try:  # one run a folder: a second one started beside it is refused here
+                    lock = hold_folder(cfg.out)  # noqa: F841  held while this process lives
+                except FolderInUse as e:
+                    raise SystemExit(f"train.py: --out {e}: wait for it to end, or give "
+                                     "another folder") from None
                 with open(os.path.join(cfg.out, "config.json"), "w") as f:
                     json.dump(dataclasses.asdict(cfg), f, indent=2)
             run.reporter = make_reporter(cfg.report_to if rank == 0 else "none", cfg.out,
@@ -253,11 +258,15 @@ def resume(run: Run, ckpt: str) -> None:
 
 def crashed(run: Run, e: Exception) -> None:
     """An exception in the loop: the last whole step saved if newer than the checkpoint on
-    disk and not cut in its update (run.safe holds no state then), and a note on the exception
+    disk and not cut in its update after a weight moved (run.safe holds no state in the
+    update; run.before_update does until its first optimizer step), and a note on the exception
     saying how to continue. Under torchrun nothing is saved: a save is collective, and the
     other ranks are not at one."""
     done, snap = run.safe
     cfg, world = run.cfg, world_size()
+    (kept, kept_snap), steps_then = run.before_update
+    if snap is None and kept_snap is not None and optimizer_steps(run.optims) == steps_then:
+        done, snap = kept, kept_snap  # it came in an update before any weight moved
     on_disk = (f"the checkpoint at step {run.saved} is in {cfg.out}; continue with: "
                f"{resume_command(cfg.out)}" if run.saved else "no checkpoint yet")
     if done <= run.saved:
@@ -315,19 +324,25 @@ def finish(run: Run, seconds: float) -> dict:
                    guess_share_end=b.get("guess_share", 0.0))
         name = (f"held-out success, step {a['step']} -> {b['step']} ({b['tasks']} tasks x "
                 f"{b.get('samples', 1)}, K={b['max_turns']})")
-        table.append((name, a["success_rate"], b["success_rate"]))
+        table.append((name, a["success_rate"], b["success_rate"], b.get("chance")))
+        out["eval_chance"] = b.get("chance")  # a random policy's, same tasks and K
+        out["eval_chance_by_category"] = b.get("chance_by_category")
         # the built-in warm start's planted habit
         if out["guess_share_start"] or out["guess_share_end"]:
             table.append(("opening with the warm start's habit", out["guess_share_start"],
                           out["guess_share_end"]))
-        table += [(f"  {c}", a["by_category"].get(c, float("nan")), v)
+        chance = b.get("chance_by_category") or {}
+        table += [(f"  {c}", a["by_category"].get(c, float("nan")), v, chance.get(c))
                   for c, v in b["by_category"].items()]
     w = max(len(r[0]) for r in table)
     print(f"\nrun {cfg.out}: {len(rows)} steps in {out['minutes']:.1f} min\n  {'':{w}}  start"
-          "    end",
-          flush=True)
-    for name, x, y in table:
-        print(f"  {name:{w}}  {x:5.3f}  {y:5.3f}  {100 * (y - x):+6.1f} points")
+          "    end                 chance", flush=True)
+    for name, x, y, *chance in table:
+        beside = f"  {chance[0]:5.3f}" if chance and chance[0] is not None else ""
+        print(f"  {name:{w}}  {x:5.3f}  {y:5.3f}  {100 * (y - x):+6.1f} points{beside}")
+    if out.get("eval_chance") is not None:
+        print("  chance: a random policy (agents.random_moves) on the same tasks and K, "
+              f"{b['chance_samples']} samples a task")
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(out, f, indent=2)
     print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: "

@@ -162,13 +162,21 @@ def test_a_run_stopped_in_its_last_step_is_finished_by_resume(tmp_path, cache_di
     assert code == 0 and "nothing to do" in log, log[-3000:]
 
 
-def test_an_exception_in_an_update_saves_nothing(tmp_path, cache_dir):
-    """Step 2's update cut by an exception: the weights are half updated, so nothing is saved (the
-    checkpoint on disk, here none, stays what it was)."""
-    out = str(tmp_path / "run")
+def test_an_exception_in_an_update_keeps_the_last_step_unless_a_weight_moved(tmp_path, cache_dir):
+    """Step 2's update cut by an exception. Before its first optimizer step (here at its entry) the
+    weights are step 1's, so step 1 is saved; after one (here in update_kl, which follows the
+    optimizer steps) they are half updated, so nothing is (the checkpoint on disk, here none,
+    stays what it was)."""
+    out = str(tmp_path / "early")
     r = crash_train("update", 2, [*TINY, "--schedule", "2", "--steps", "3", "--out", out],
                     cache_dir)
     assert r.returncode == 1 and "a bug planted in call 2 of train.update" in r.stderr
+    assert "train.py: the last whole step saved: checkpoint at step 1" in r.stderr, r.stderr[-3000:]
+    assert checkpoints.find_checkpoint(out) is not None and n_metrics(out) == 1
+    out = str(tmp_path / "late")
+    r = crash_train("update_kl", 2, [*TINY, "--schedule", "2", "--steps", "3", "--out", out],
+                    cache_dir)
+    assert r.returncode == 1 and "a bug planted in call 2 of train.update_kl" in r.stderr
     assert ("train.py: nothing saved (it came in step 2's update, never saved half done); no "
             "checkpoint yet") in r.stderr, r.stderr[-3000:]
     assert checkpoints.find_checkpoint(out) is None and n_metrics(out) == 1

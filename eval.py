@@ -112,7 +112,7 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)
     eval_outputs.print_table(result)  # per category, then statuses and the errors left out
-    print(f"wrote {cfg.out} and {log}")
+    print(f"wrote {os.path.abspath(cfg.out)} and {log}")
     if cfg.curriculum:
         eval_outputs.write_curriculum(result, cfg.curriculum)  # tasks solved only sometimes
     return result

@@ -77,6 +77,16 @@ from pathlib import Path
 
 from .base import Env, StepResult, TaskError
 
+
+def java_problem() -> str | None:
+    """Why SciWorld cannot start its JVMs here, in one line (no `java` on the PATH), or None."""
+    import shutil
+
+    if shutil.which("java") is None:
+        return ("SciWorld runs ScienceWorld in a JVM and needs Java 17 on the PATH; `java` is not "
+                "there (Debian/Ubuntu: apt-get install openjdk-17-jre-headless)")
+    return None
+
 SPLITS_PATH = Path(__file__).parent / "data" / "sciworld_splits.json"
 # as agentenv-sciworld's `exceptions`
 EXCLUDED_TYPES = ("5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2")
@@ -152,6 +162,8 @@ class SciWorldEnv(Env):
 
     @classmethod
     def load_world(cls, args: argparse.Namespace | None = None) -> World:
+        if problem := java_problem():
+            raise ValueError(problem)
         heap_mb = getattr(args, "jvm_heap_mb", DEFAULT_JVM_HEAP_MB)
         max_jvms = getattr(args, "max_jvms", None)
         if max_jvms is None:

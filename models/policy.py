@@ -46,7 +46,9 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = torch.float3
     checkpoint's own). A grouped-query model (fewer key/value heads than query heads, as
     SmolLM2 and Qwen have) attends with `grouped_sdpa`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar, once a load, says nothing
     model = AutoModelForCausalLM.from_pretrained(path).to(device=device, dtype=dtype)
     cfg = model.config
     if getattr(cfg, "num_key_value_heads", None) and \

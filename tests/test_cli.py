@@ -72,6 +72,9 @@ def test_a_run_prints_its_folder_first_and_a_table_last(tmp_path, cache_dir):
     assert ("training success (mean of 1 step)" in r.stdout
             and "held-out success, step 0 -> 1 (4 tasks" in r.stdout)
     assert lines[-1].startswith(f"  every number: {out}/summary.json")
+    # the hint works from any folder; transformers' weight-loading bar is not shown
+    assert lines[-1].endswith(f"curves: cd {ROOT} && python -m tools.plot {out}")
+    assert "Loading weights" not in r.stderr
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert (summary["steps"] == 1 and summary["eval_step_end"] == 1
             and "eval_by_category_end" in summary and summary["dtype"] == "float32")
@@ -312,6 +315,25 @@ def test_the_stop_message_names_the_command_that_continues(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert resume_command("runs/a") == "torchrun --nproc-per-node 8 train.py --resume --out runs/a"
+
+
+def test_the_stop_message_names_the_users_script_where_it_registered_its_own(monkeypatch):
+    """A game or estimator registered in the user's own script is unknown to train.py: the hint
+    names that script (which hands its arguments to train.parse_args)."""
+    import algos
+    from trainer.checkpoints import resume_command
+
+    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    from env_server import agents
+
+    monkeypatch.setattr(agents, "ENVS", dict(agents.BUILT_IN))  # what other tests registered:
+    monkeypatch.setattr(algos, "ESTIMATORS", {k: e for k, e in algos.ESTIMATORS.items()  # out
+                                              if e.fn.__module__ == "algos"})
+    monkeypatch.setattr(sys, "argv", ["my_game.py", "--env", "corridor"])
+    assert resume_command("runs/a") == "python train.py --resume --out runs/a"  # nothing of its own
+    monkeypatch.setitem(algos.ESTIMATORS, "sign", algos.Estimator(lambda x: (x, None)))
+    assert resume_command("runs/a") == "python my_game.py --resume --out runs/a"
 
 
 def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cache_dir, capsys):

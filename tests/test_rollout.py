@@ -469,3 +469,29 @@ def test_a_row_never_passes_the_context_limit():
     t, = rollout(policy, LoudPool(0.0, 12_000, done=False), "textcraft", [0], [0], rcfg, fmt=fmt)
     assert t.status == "context_limit" and len(t.token_ids) == 512 and sum(t.loss_mask) > 0
     assert len(t.loss_mask) == len(t.logprobs) == 512
+
+
+def test_a_group_whose_only_other_score_is_an_env_error_is_not_informative():
+    """Two wins and an env error: the error is no score (not a 0), so the group is tied."""
+    from rollout import Trajectory, informative_groups
+
+    def t(group, status, reward):
+        return Trajectory("corridor", 0, group, [], [], [], [], status=status, reward=reward)
+
+    trajs = [t(0, "done", 1.0), t(0, "done", 1.0), t(0, "env_error", 0.0),
+             t(1, "done", 1.0), t(1, "max_turns", 0.0)]
+    assert informative_groups(trajs) == {1}
+
+
+def test_a_partial_score_at_the_horizon_is_no_success_anywhere():
+    """An episode cut at K with a partial score above 0 (SciWorld gives them) is no success: not
+    for rollout.is_success, not in outcomes' success rate, not in eval.py's Pass@n."""
+    import eval as ev
+    from rollout import Trajectory, is_success, outcomes
+
+    cut = Trajectory("sciworld", 7, 0, [], [], [], [], status="max_turns", reward=0.35)
+    won = Trajectory("sciworld", 7, 0, [], [], [], [], status="done", reward=1.0)
+    assert not is_success(cut) and is_success(won)
+    assert outcomes([cut, won])["success_rate"] == 0.5
+    table = ev.scores([(0, 7, 0), (0, 7, 1)], [cut, cut], {7: "a"})
+    assert table["overall"]["pass@2"] == 0.0 and table["overall"]["avg@2"] == 0.35

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+import pytest
+
 from test_cli import one_line_error, one_line_refusal, run
 
 import eval as evaluation
@@ -116,3 +118,25 @@ def test_plot_names_the_file_it_writes_and_refuses_an_out_it_cannot_write(
                          (["--out", os.path.join(read_only_dir, "c.png")], "cannot be written"),
                          (["--smooth", "0"], "--smooth must be at least 1")]:
         one_line_refusal([run_dir, *args], needle, capsys, plot.main)
+
+
+def test_sciworld_without_java_is_one_line_naming_java_17(monkeypatch, capsys):
+    """No `java` on the PATH: train.py and eval.py refuse --env sciworld in one line (before,
+    the local server's JVM start gave 40 lines of traceback); the server itself says the same."""
+    import shutil
+
+    import eval as ev
+    import train
+    from env_server.sciworld import SciWorldEnv
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "java"
+                        else real(name, *a, **k))
+    for parse in (train.parse_args, ev.parse_args):
+        with pytest.raises(SystemExit) as e:
+            parse(["--env", "sciworld"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "needs Java 17 on the PATH" in err
+        assert len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="needs Java 17 on the PATH"):
+        SciWorldEnv.load_world(None)

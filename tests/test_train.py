@@ -504,9 +504,12 @@ def test_an_update_with_every_row_idle_logs_none_where_nothing_was_measured():
     assert m["kl"] == 0
 
 
-def test_a_step_whose_gradient_is_not_finite_leaves_the_weights(tmp_path, monkeypatch, cache_dir):
-    """A NaN loss (a NaN coefficient once made one) gives a NaN gradient: the optimizer step is
-    skipped, so the checkpoint holds the start's finite weights, and grad_norm logs the NaN."""
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_step_whose_gradient_is_not_finite_leaves_the_weights(tmp_path, monkeypatch, cache_dir,
+                                                               bad):
+    """A NaN loss (a NaN coefficient once made one) gives a NaN gradient; a gradient whose norm
+    is infinite (no NaN: its clipped gradient is finite) is as bad. Either way the optimizer step
+    is skipped, so the checkpoint holds the start's finite weights, and grad_norm logs it."""
     from safetensors.torch import load_file
     real = algos.policy_loss
 
@@ -514,7 +517,11 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights(tmp_path, monkey
         loss, stats = real(*args, **kw)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(algos, "policy_loss", nan_loss)
+    if bad == "nan":
+        monkeypatch.setattr(algos, "policy_loss", nan_loss)
+    else:  # the gradients stay finite: only the rule on the norm can keep the weights
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                            lambda params, max_norm: torch.tensor(float("inf")))
     out = tmp_path / "run"
     train.main(train.parse_args([*TINY, "--steps", "1", "--entropy-coef", "0.01", "--eval-every",
                                  "0", "--out", str(out), "--cache-dir", cache_dir]))
@@ -522,7 +529,9 @@ def test_a_step_whose_gradient_is_not_finite_leaves_the_weights(tmp_path, monkey
                                    "model.safetensors"))
     end = load_file(out / "checkpoint" / "model" / "model.safetensors")
     assert all(torch.equal(end[k], v) for k, v in start.items())
-    assert math.isnan(metrics(str(out))[0]["grad_norm"])
+    m = metrics(str(out))[0]
+    assert m["train_tokens"] > 0  # a step with rows to train on: applied, it would move weights
+    assert math.isnan(m["grad_norm"]) if bad == "nan" else m["grad_norm"] == float("inf")
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path, capsys):

@@ -66,7 +66,8 @@ class EvalConfig(cli.Shared):
                                  "--out is refused: an earlier --compare may read it)",
                           group='run')
     compare: str | None = arg(None, "START.json,END.json (a side may pool A.json+B.json): compared "
-                                    "task by task, a 95% interval and a sign test; plays nothing")
+                                    "task by task, a 95% interval (and a sign test where every "
+                                    "score is 0 or 1); plays nothing")
 
 
 def parse_args(argv=None, doc: str = "") -> EvalConfig:

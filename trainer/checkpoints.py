@@ -125,9 +125,12 @@ def weights_problem(folder: str) -> str | None:
     return None
 
 
-def resume_command(out: str, script: str = "train.py") -> str:
+def resume_command(out: str, script: str | None = None) -> str:
     """The command that continues the run in `out` (its config.json holds every other flag),
-    as this process was started: plain python, or torchrun with as many processes per node."""
+    as this process was started: plain python, or torchrun with as many processes per node;
+    `script` by default train.py, or the user's script where it registered a game or an
+    estimator of its own (train.py alone would not know them)."""
+    script = script or launching_script()
     procs, world = os.environ.get("LOCAL_WORLD_SIZE"), int(os.environ.get("WORLD_SIZE", "1"))
     head = f"torchrun --nproc-per-node {procs}" if procs and world > 1 else "python"
     if procs and world > int(procs):  # several nodes: the same command on each, with its rank
@@ -135,6 +138,23 @@ def resume_command(out: str, script: str = "train.py") -> str:
                 f"--node-rank R --master-addr {os.environ.get('MASTER_ADDR')} "
                 f"--master-port {os.environ.get('MASTER_PORT')}")
     return f"{head} {script} --resume --out {shlex.quote(out)}"
+
+
+def launching_script() -> str:
+    """train.py, or the script this process runs (sys.argv[0]) where that script registered a
+    game or an advantage estimator that train.py does not have."""
+    import sys
+
+    import algos
+    from env_server.agents import BUILT_IN, ENVS
+
+    own = (any(spec is not BUILT_IN.get(name) for name, spec in ENVS.items())
+           or any(e.fn.__module__ != "algos" for e in algos.ESTIMATORS.values()))
+    argv0 = sys.argv[0] if sys.argv else ""
+    if own and argv0.endswith(".py") and os.path.basename(argv0) not in ("train.py",
+                                                                         "__main__.py"):
+        return shlex.quote(argv0)
+    return "train.py"
 
 
 def find_checkpoint(out: str) -> str | None:

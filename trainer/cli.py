@@ -314,6 +314,11 @@ def check_env(p: argparse.ArgumentParser, cfg) -> None:
         spec = env_spec(cfg.env)
     except ValueError as e:
         p.error(f"--env: {e}")
+    if cfg.env == "sciworld" and cfg.env_addr is None:  # served here: its JVMs need Java
+        from env_server.sciworld import java_problem
+
+        if problem := java_problem():
+            p.error(f"--env sciworld: {problem}")
     if spec.server is None:
         if cfg.env_addr is None:
             p.error(f"--env {cfg.env} is served by another project: give its server's "

@@ -53,6 +53,7 @@ def started(cfg: Config):
     (run.summary)."""
     rank, world, device = init_distributed(cfg.device)
     try:
+        named = cfg.out is not None
         if cfg.out is None:  # rank 0's clock names the run
             stamp = time.strftime('%Y%m%d-%H%M%S')
             cfg.out = broadcast_value(
@@ -60,7 +61,8 @@ def started(cfg: Config):
         # parse_args made sure there is one
         ckpt = find_checkpoint(cfg.out) if cfg.resume else None
         if rank == 0:
-            print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else ""),
+            print(f"run folder: {cfg.out}" + (f" (resuming from {ckpt})" if ckpt else "")
+                  + ("" if named else " (named env__algo__seed__time; --out names it)"),
                   flush=True)
         # one server per rank (distributed.py)
         with serving_env(cfg.env, cfg.env_addr) as (url, server):
@@ -345,8 +347,9 @@ def finish(run: Run, seconds: float) -> dict:
               f"{b['chance_samples']} samples a task")
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(out, f, indent=2)
-    print(f"  every number: {os.path.join(cfg.out, 'summary.json')}; curves: "
-          f"python -m tools.plot {cfg.out}", flush=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # from any folder
+    print(f"  every number: {os.path.abspath(os.path.join(cfg.out, 'summary.json'))}; curves: "
+          f"cd {root} && python -m tools.plot {os.path.abspath(cfg.out)}", flush=True)
     return out
 
 

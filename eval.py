@@ -106,7 +106,7 @@ def evaluate(cfg: eval_config.EvalConfig, url: str) -> dict:
                   **eval_outputs.details(tasks, category, episodes, trajs),
                   "time_s": time.time() - t0, "engine": kind,
                   "dtype": policy_dtype,  # what --dtype resolved to here; None: an endpoint's
-                  # a random policy on the same episodes, beside every rate
+                  # a random policy on the same tasks and horizon, beside every rate
                   "chance": None if cfg.random else chance(cfg, url, tasks, category)}
         write_log(log, 0, cfg.max_turns, trajs)
         with open(cfg.out, "w") as f:

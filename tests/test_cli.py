@@ -317,25 +317,6 @@ def test_the_stop_message_names_the_command_that_continues(monkeypatch):
     assert resume_command("runs/a") == "torchrun --nproc-per-node 8 train.py --resume --out runs/a"
 
 
-def test_the_stop_message_names_the_users_script_where_it_registered_its_own(monkeypatch):
-    """A game or estimator registered in the user's own script is unknown to train.py: the hint
-    names that script (which hands its arguments to train.parse_args)."""
-    import algos
-    from trainer.checkpoints import resume_command
-
-    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    from env_server import agents
-
-    monkeypatch.setattr(agents, "ENVS", dict(agents.BUILT_IN))  # what other tests registered:
-    monkeypatch.setattr(algos, "ESTIMATORS", {k: e for k, e in algos.ESTIMATORS.items()  # out
-                                              if e.fn.__module__ == "algos"})
-    monkeypatch.setattr(sys, "argv", ["my_game.py", "--env", "corridor"])
-    assert resume_command("runs/a") == "python train.py --resume --out runs/a"  # nothing of its own
-    monkeypatch.setitem(algos.ESTIMATORS, "sign", algos.Estimator(lambda x: (x, None)))
-    assert resume_command("runs/a") == "python my_game.py --resume --out runs/a"
-
-
 def test_a_refused_start_writes_nothing_and_the_corrected_one_runs(tmp_path, cache_dir, capsys):
     """train.py refuses a bad start in one line and writes nothing (the task-id overlap as the user
     sees it; the flags out of range through train.parse_args, which train.py runs first); the

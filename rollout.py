@@ -175,11 +175,11 @@ TEMPLATE_CHECKS = ("exact", "noncanonical", "mismatch")
 
 
 def check_against_template(fmt: ChatFormat, t: Trajectory) -> str:
-    text = fmt._render(t.messages, gen=True)
-    if fmt.encode(text) == t.token_ids:
+    """A row ending in a reply (the last turn's) is checked as a prefix of its rendering."""
+    text = fmt._render(t.messages, gen=t.messages[-1]["role"] == "user")
+    if fmt.encode(text)[:len(t.token_ids)] == t.token_ids:
         return "exact"
-    decoded = fmt.decode(t.token_ids)
-    return "noncanonical" if decoded == text else "mismatch"
+    return "noncanonical" if text.startswith(fmt.decode(t.token_ids)) else "mismatch"
 
 
 @dataclass
@@ -338,6 +338,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
         for i in moves:
             if fmt is not None and not trajs[i].finished:
                 _append_observation(fmt, trajs[i], replies[i].stopped, cfg)
+            elif fmt is not None:  # its last reply ends the row
+                _check_template(fmt, trajs[i], cfg)
         if progress is not None:
             progress(turn + 1, sum(t.finished for t in trajs), len(trajs))
     if hasattr(policy, "finish"):
@@ -383,11 +385,15 @@ def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
     ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
     room = max(cfg.max_context - len(t.token_ids), 0)
     t.append_ids(ids[:room])
-    if cfg.check_template and len(ids) <= room and t.template != "mismatch":  # worst so far
-        worst = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
-        t.template = worst
+    if len(ids) <= room:
+        _check_template(fmt, t, cfg)
     if len(t.token_ids) >= cfg.max_context:
         t.status = "context_limit"
+
+
+def _check_template(fmt: ChatFormat, t: Trajectory, cfg: RolloutConfig) -> None:
+    if cfg.check_template and t.template != "mismatch":  # the worst so far
+        t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
 
 
 def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:

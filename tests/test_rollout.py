@@ -38,9 +38,10 @@ class ScriptedEngine:
     """Replies from a script, tokenised canonically, ending with the end-of-turn token (or `end`)
     unless `cut`."""
 
-    def __init__(self, fmt, replies, cut=(), end=None):
+    def __init__(self, fmt, replies, cut=(), end=None, spelled=()):
         self.fmt, self.replies, self.cut, self.turn = fmt, replies, set(cut), 0
         self.end = fmt.eot_id if end is None else end
+        self.spelled = set(spelled)  # turns whose reply is sampled one character a token
 
     def generate(self, prompts, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
                  generator=None, reuse=False):
@@ -48,8 +49,10 @@ class ScriptedEngine:
         stopped = self.turn not in self.cut
         self.turn += 1
         out = []
+        spelled = self.turn - 1 in self.spelled
         for p in prompts:
-            ids = in_context(self.fmt, p, reply) + ([self.end] if stopped else [])
+            ids = ([i for c in reply for i in self.fmt.encode(c)] if spelled
+                   else in_context(self.fmt, p, reply)) + ([self.end] if stopped else [])
             out.append(Sample(ids, [-0.5] * len(ids), stopped))
         return out
 
@@ -79,11 +82,12 @@ REPLIES = ["Thought: check.\nAction: inventory", "Thought: logs.\nAction: get 1 
            "Action: get 1 stick\nAction: inventory"]
 
 
-def play(url, tok, replies, n=2, cut=(), end=None, **cfg):
+def play(url, tok, replies, n=2, cut=(), end=None, spelled=(), **cfg):
     fmt = ChatFormat(tok)
     with EnvPool(url, n) as pool:
         rcfg = RolloutConfig(**{"max_turns": 3, **cfg})
-        trajs = rollout(EnginePolicy(ScriptedEngine(fmt, replies, cut, end), fmt, rcfg), pool,
+        engine = ScriptedEngine(fmt, replies, cut, end, spelled)
+        trajs = rollout(EnginePolicy(engine, fmt, rcfg), pool,
                         "textcraft", list(range(n)), list(range(n)), rcfg, fmt=fmt)
     return fmt, trajs
 
@@ -122,6 +126,16 @@ def test_reply_cut_at_max_tokens_gets_an_unsampled_end_of_turn(textcraft_url, na
     first_reply = in_context(fmt, t.token_ids[:start], REPLIES[0])
     assert t.token_ids[start:start + len(first_reply) + 1] == first_reply + [fmt.eot_id]
     assert t.loss_mask[start:start + len(first_reply) + 1] == [1] * len(first_reply) + [0]
+
+
+@pytest.mark.parametrize("turns", [{0, 1, 2}, {2}])
+def test_a_reply_sampled_in_other_tokens_than_the_templates_is_noncanonical(textcraft_url, turns):
+    """The same text in other ids (one character a token) marks the row "noncanonical", from any
+    turn: the last reply ends the row with no observation after it, and is checked all the same."""
+    fmt, trajs = play(textcraft_url, real_tokenizer("qwen2.5-instruct"), REPLIES, spelled=turns)
+    assert all(t.turns == 3 and t.template == "noncanonical" for t in trajs)
+    fmt, trajs = play(textcraft_url, real_tokenizer("qwen2.5-instruct"), REPLIES)
+    assert all(t.template == "exact" for t in trajs)
 
 
 def test_a_reply_ended_by_eos_gets_the_end_of_turn_token_too(textcraft_url):

@@ -5,6 +5,7 @@ samples from the weights synced in place, a KV cache of one context. Skipped, wi
 where vllm does not import or the model cannot be had. The stand-in tests: test_vllm_engine.py;
 the scripts with --engine vllm: test_vllm_scripts.py."""
 
+import copy
 import os
 import sys
 
@@ -199,14 +200,18 @@ def test_real_vllm_samples_from_the_synced_weights(real):
         seconds = engine.sync_weights(model)
         assert 0 < seconds < 60
         after = engine.generate(prompts, 16, [tok.eos_token_id], temperature=0.0)
-        err_new, err_old = [], []
+        m16 = copy.deepcopy(model).to(torch.bfloat16)
+        err_new, err_old, err_bf16 = [], [], []
         for p, s in zip(prompts, after):
-            lp = torch.tensor(s.logprobs)
-            err_new.append((lp - trainer_logprobs(model, p, s.ids, 0.0)).abs())
+            lp, new = torch.tensor(s.logprobs), trainer_logprobs(model, p, s.ids, 0.0)
+            err_new.append((lp - new).abs())
             err_old.append((lp - trainer_logprobs_of(original, model, p, s.ids)).abs())
-        err_new, err_old = torch.cat(err_new).mean(), torch.cat(err_old).mean()
-        # the new weights, within bf16
-        assert err_new < 0.1 and err_new < err_old / 4, (err_new, err_old)
+            err_bf16.append((trainer_logprobs(m16, p, s.ids, 0.0) - new).abs())
+        err_new, err_old, err_bf16 = (torch.cat(e).mean() for e in (err_new, err_old, err_bf16))
+        # The new weights, within bf16: as near as the trainer's own forward in bf16 (the step
+        # leaves a model of near-ties, where bf16 moves log-probs by about 0.1), far from the old.
+        assert err_new < 2 * err_bf16 + 0.05 and err_new < err_old / 10, (err_new, err_old,
+                                                                           err_bf16)
     finally:
         model.load_state_dict(original)
         engine.sync_weights(model)

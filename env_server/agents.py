@@ -222,6 +222,10 @@ def _corridor_moves(messages: list[dict]) -> list[str]:
     return ["left", "right"]
 
 
+def _doors_moves(messages: list[dict]) -> list[str]:
+    return ["left", "right", "open"]
+
+
 _LISTED_ACTIONS = re.compile(r"Available actions: (\[.*\])")
 
 
@@ -289,6 +293,10 @@ register_env("corridor", server="env_server.corridor:CorridorEnv", parse_action=
              random_moves=_corridor_moves,
              instructions="You are in a corridor. Each turn answer left or right to walk toward "
                           "the goal.")
+register_env("doors", server="env_server.doors:DoorsEnv", parse_action=parse_whole_reply,
+             random_moves=_doors_moves,
+             instructions="You are in a corridor with doors. Walk to the goal; open a closed "
+                          "door beside you. Each turn answer one word:\nright\nleft\nopen")
 # What `python -m env_server NAME` knows: the games registered above. One registered (or replaced)
 # later, by a script, is that script's alone: train.py then serves it on a thread of its own
 # (trainer/cli.py's `serving_env`).

@@ -36,14 +36,15 @@ from models.names import BUILTINS, WARM_SUFFIX, Wheel, check_model, is_builtin  
 # gradients (each scaled by the other) nearly vanish, and the model looks at the observation's
 # one word that matters only after hundreds of steps, if at all; at 0.1 cloning the expert
 # learns it in one epoch (docs/results.md). The others are warm-started (warmstart.py).
-TINY_MODELS = {"corridor": ("words", 2, 64, 0.1)}
+TINY_MODELS = {"corridor": ("words", 2, 64, 0.1), "doors": ("words", 2, 64, 0.1)}
 # A tiny model's vocabulary, and its warm start, are built from the game's own text: when that
 # text changes, the version names a new cache folder.
 VOCAB_VERSIONS = {"corridor": 4,  # 2: "1 step", not "1 steps"; 3: a reply is the move alone;
                   # 4: a word's token holds the space before it
                   # 2: AgentGym's text (two spaces after each object's sentence, the
                   # walls-only view)
-                  "babyai": 2}
+                  "babyai": 2,
+                  "doors": 1}  # 1: the goal always on the right
 TINY_DEFAULT = ("bpe", 3, 192, 0.02)
 
 

@@ -346,6 +346,7 @@ WARM_START = {
     # mover (one word a reply, left or right at random, whatever the observation says), so it
     # starts at chance and everything above that is RL's
     "corridor": dict(mover="random", tasks=0, noise=0.0, epochs=8, lr=3e-3, batch_size=8),
+    "doors": dict(mover="random", tasks=0, noise=0.0, epochs=8, lr=3e-3, batch_size=8),
     "textcraft": dict(copy_steps=1500, tasks=0, noise=0.2, epochs=10, lr=3e-3, batch_size=8,
                       thoughts=True,
                       guess=0.75, guess_turns=3, guess_epochs=1, guess_lr=1e-3),

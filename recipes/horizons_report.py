@@ -114,6 +114,7 @@ def read_run(out: str) -> dict:
     return {"evals": {e["step"]: e for e in evals},
             "chance": next((e["chance"] for e in evals if e.get("chance") is not None), None),
             "train": {r["step"]: r["success_rate"] for r in m},
+            "turns": {r["step"]: r.get("turns_mean") for r in m},
             "first": mean([r["success_rate"] for r in m[:k]]), "k": k,
             "last": mean([r["success_rate"] for r in m[-k:]]), "minutes": seconds / 60,
             "gen_tokens_per_s": mean([r["tokens_per_s"] for r in m]),
@@ -156,7 +157,9 @@ def arm_row(a, arm: str) -> dict:
             "train_tokens_per_s": mean([r["train_tokens_per_s"] for r in runs]),
             "peak_gpu_mb": max((r["peak_gpu_mb"] for r in runs), default=0.0),
             "curve": curve,
-            "train_curve": [[s, mean([r["train"][s] for r in runs])] for s in steps]}
+            "train_curve": [[s, mean([r["train"][s] for r in runs])] for s in steps],
+            "turns_curve": [[s, mean([r["turns"][s] for r in runs])] for s in steps
+                            if all(r["turns"][s] is not None for r in runs)]}
 
 
 def paired_ends(a) -> tuple[list[dict], str]:
@@ -200,24 +203,30 @@ def draw(a, table: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (left, right, turns) = plt.subplots(1, 3, figsize=(17, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # equal curves must not hide each other: each arm its own dashes and marker size
+    dashes, markers = ["-", "--", "-.", ":"], [9, 6, 4, 3]
     for i, t in enumerate(table):
-        c = colors[i % len(colors)]
+        c, ls, ms = colors[i % len(colors)], dashes[i % len(dashes)], markers[i % len(markers)]
         if t["curve"]:
             st = [p["step"] for p in t["curve"]]
-            left.plot(st, [p["mean"] for p in t["curve"]], color=c, marker="o", linewidth=2,
-                      label=t["label"])
+            left.plot(st, [p["mean"] for p in t["curve"]], color=c, marker="o", markersize=ms,
+                      linestyle=ls, linewidth=2, label=t["label"])
             left.fill_between(st, [p["min"] for p in t["curve"]], [p["max"] for p in t["curve"]],
-                              color=c, alpha=0.2, linewidth=0)
-        if t["train_curve"]:
-            st, ys = zip(*t["train_curve"])
-            right.plot(st, ys, color=c, alpha=0.25, linewidth=1)
-            right.plot(st, trailing_mean(list(ys), WINDOW), color=c, linewidth=2, label=t["label"])
+                              color=c, alpha=0.15, linewidth=0)
+        for ax, key in ((right, "train_curve"), (turns, "turns_curve")):
+            if t.get(key):
+                st, ys = zip(*t[key])
+                ax.plot(st, ys, color=c, alpha=0.25, linewidth=1)
+                ax.plot(st, trailing_mean(list(ys), WINDOW), color=c, linestyle=ls, linewidth=2,
+                        label=t["label"])
         every, stages = stage_steps(t["arm"], a.steps), len(horizons(t["arm"]))
         for j in range(1, stages):  # where a staged arm's horizon grows
             if j * every < a.steps:
-                for ax in (left, right):
+                for ax in (left, right, turns):
                     ax.axvline(j * every + 0.5, color=c, linestyle=":", linewidth=1)
     if (c := study_chance(table)) is not None:
         left.axhline(c, color="black", linestyle="--", linewidth=1.2,
@@ -227,11 +236,16 @@ def draw(a, table: list[dict], path: str) -> None:
                    "mean over seeds; band: min-max over seeds", xlabel="step", ylabel="success")
     right.set(title=f"training success, mean over seeds\ntrailing mean of {WINDOW} steps "
                     "(faint: per step; dotted: a stage begins)", xlabel="step")
-    for ax in (left, right):
-        ax.set_ylim(bottom=-0.02)
+    turns.set(title="turns per training episode, mean over seeds\n"
+                    f"trailing mean of {WINDOW} steps (faint: per step)", xlabel="step")
+    for ax in (left, right, turns):
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a study whose runs were all skipped has none
             ax.legend(loc="best", fontsize=8)
+    for ax in (left, right):
+        ax.set_ylim(0, 1.03)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

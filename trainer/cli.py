@@ -33,7 +33,7 @@ class Shared:
     config subclasses this and adds its own."""
     env: str = arg(
         "textcraft", "environment (env_server/agents.py's ENVS): textcraft, babyai, "
-                     "sciworld, searchqa, webarena, corridor")
+                     "sciworld, searchqa, webarena, corridor, doors")
     env_addr: str | None = arg(None, "URL of a running env server; absent: start one locally")
     model: str | None = arg(None, "HF model folder, hub name or built-in name (smollm2-135m, "
                                   "smollm2-135m-sft); absent: the built-in tiny model, "

@@ -175,10 +175,11 @@ TEMPLATE_CHECKS = ("exact", "noncanonical", "mismatch")
 
 
 def check_against_template(fmt: ChatFormat, t: Trajectory) -> str:
-    """A row ending in a reply (the last turn's) is checked as a prefix of its rendering."""
+    """t's row as a prefix of its messages' rendering (a row ends in a reply, the last turn's, or
+    in an observation, cut at --max-context or whole); the worst check so far stays."""
     text = fmt._render(t.messages, gen=t.messages[-1]["role"] == "user")
     if fmt.encode(text)[:len(t.token_ids)] == t.token_ids:
-        return "exact"
+        return t.template
     return "noncanonical" if text.startswith(fmt.decode(t.token_ids)) else "mismatch"
 
 
@@ -338,8 +339,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
         for i in moves:
             if fmt is not None and not trajs[i].finished:
                 _append_observation(fmt, trajs[i], replies[i].stopped, cfg)
-            elif fmt is not None:  # its last reply ends the row
-                _check_template(fmt, trajs[i], cfg)
+            if fmt is not None and cfg.check_template and trajs[i].template != "mismatch":
+                trajs[i].template = check_against_template(fmt, trajs[i])
         if progress is not None:
             progress(turn + 1, sum(t.finished for t in trajs), len(trajs))
     if hasattr(policy, "finish"):
@@ -380,20 +381,13 @@ def _fit(text: str, t: Trajectory, cfg: RolloutConfig) -> str:
 
 def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
                         cfg: RolloutConfig) -> None:
-    """The observation turn's ids (loss mask 0) after a reply, then the checks of the grown
-    row. A row they fill ends at --max-context: nothing after its last reply is trained on."""
+    """The observation turn's ids (loss mask 0) after a reply. A row they fill ends at
+    --max-context: nothing after its last reply is trained on."""
     ids = fmt.observation_ids(t.messages[-1]["content"], reply_ended)
     room = max(cfg.max_context - len(t.token_ids), 0)
     t.append_ids(ids[:room])
-    if len(ids) <= room:
-        _check_template(fmt, t, cfg)
     if len(t.token_ids) >= cfg.max_context:
         t.status = "context_limit"
-
-
-def _check_template(fmt: ChatFormat, t: Trajectory, cfg: RolloutConfig) -> None:
-    if cfg.check_template and t.template != "mismatch":  # the worst so far
-        t.template = max(t.template, check_against_template(fmt, t), key=TEMPLATE_CHECKS.index)
 
 
 def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:

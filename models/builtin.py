@@ -58,10 +58,12 @@ def build_once(path: str, build) -> str:
         except BaseException:  # a build cut short (Ctrl-C, an error) leaves no half folder
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if os.path.exists(path):  # another process won the race
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, path)
+        except OSError:  # another process won the race (it replaced first: path is not empty)
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise
+            shutil.rmtree(tmp)
     return path
 
 

@@ -175,6 +175,16 @@ def test_the_test_by_seed_is_each_seeds_difference_with_a_t_interval(tmp_path):
     assert r["ci95"] == pytest.approx([5 / 12 - half, 5 / 12 + half])
 
 
+def test_a_runs_end_weighs_its_tasks_alike_whatever_their_sample_counts(tmp_path):
+    """Avg@n over tasks: each task's mean, then the mean over tasks (4 wins of 4 and 0 of 1 is
+    0.5, not 4 / 5)."""
+    from recipes.horizons_report import end_avg
+
+    (tmp_path / "eval_end.json").write_text(json.dumps({"tasks": [
+        {"item_id": 48, "scores": [1.0, 1.0, 1.0, 1.0]}, {"item_id": 49, "scores": [0.0]}]}))
+    assert end_avg(str(tmp_path)) == 0.5
+
+
 def test_a_study_into_a_folder_in_use_is_refused_in_one_line(tmp_path, capsys):
     """A second study started into the --out of a running one would delete that one's run
     folders: refused, naming the holder, while the lock is held; free once it is let go."""

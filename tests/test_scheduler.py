@@ -134,6 +134,15 @@ def test_plateau_resume_exact(resume_at):
     assert turns[0] == 4 and turns[-1] == 9 and sorted(turns) == turns
 
 
+@pytest.mark.parametrize("resume_at", [2, 3, 4])
+def test_plateau_resume_exact_while_the_best_success_is_zero(resume_at):
+    """A stage's best moving average of exactly 0.0 is a best like any other: read back as
+    "none yet", the resumed stage would advance one step late."""
+    turns = _resume_check(lambda: PlateauHorizon([4, 6], patience=3, min_delta=0.01, window=2),
+                          12, resume_at, [0.0] * 12)
+    assert turns == [4] * 5 + [6] * 7
+
+
 def test_plateau_advances_by_hand():
     s = PlateauHorizon([2, 3, 5], patience=2, min_delta=0.1, window=2)
     # step 1: window not full; 2: mean 0.5 -> best; 3: mean 0.5 stall 1; 4: stall 2 -> stage 1 from

@@ -410,3 +410,31 @@ def test_update_kl_and_informative_groups_are_drawn_when_logged(tmp_path):
                                 "groups_informative": 0.25}) + "\n")
     html = viewer.create_app([str(run)]).test_client().get("/run/0").get_data(as_text=True)
     assert html.count("<svg") == 6 and "update KL" in html and "informative groups" in html
+
+
+def test_a_lone_surrogate_or_a_nested_line_is_shown_not_a_500(tmp_path):
+    """An endpoint's reply with a lone surrogate (JSON "\\ud800", as eval.py logs it) renders with
+    "?" in its place on every page; a line nested past what json parses, in a step file, in
+    eval.jsonl or in metrics.jsonl, is named by its number while the page shows the rest."""
+    run = write_run(tmp_path / "r", {1: [trajectory(7, 0, 1.0, text="left \ud800 now"),
+                                         trajectory(7, 0, 0.0)]})
+    nested = "[" * 100_000 + "]" * 100_000 + "\n"
+    with open(os.path.join(run, "rollouts", "step_000001.jsonl"), "a") as f:
+        f.write(nested)
+    with open(os.path.join(run, "eval.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "success_rate": 0.5, "tasks": 2}) + "\n" + nested)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write(nested)
+    c = viewer.create_app([str(run)]).test_client()
+    for url in ("/run/0/step/1/traj/1", "/run/0/step/1/compare?a=1&b=2"):
+        r = c.get(url)
+        assert r.status_code == 200 and "left ? now" in r.get_data(as_text=True), url
+    page = c.get("/run/0/step/1").get_data(as_text=True)
+    assert "2 trajectories match" in page and "1 unreadable lines: 3" in page
+    r = c.get("/run/0")
+    assert r.status_code == 200
+    text = r.get_data(as_text=True)
+    assert "metrics.jsonl: 1 unreadable lines: 2" in text and "eval.jsonl: 1 unreadable" in text
+    r = c.get("/run/0/step/1/traj/3")
+    assert r.status_code == 422 and "nested too deep" in r.get_data(as_text=True)
+    assert c.get("/").status_code == 200

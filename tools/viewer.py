@@ -88,22 +88,40 @@ def inside(run_dir: str, path: str) -> bool:
     return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
 
 
-def read_metrics(run_dir: str, name: str = "metrics.jsonl") -> list[dict]:
+def load_line(line: str):
+    """One logged JSON line's value, or None where it cannot be read: not JSON (a line being
+    written), or nested deeper than the parser goes (RecursionError). A lone surrogate ("\\ud800",
+    as an endpoint may answer) becomes "?": a page cannot be sent in UTF-8 with one."""
+    try:
+        x = json.loads(line)
+        return _utf8(x) if "\\ud" in line.lower() else x
+    except (ValueError, RecursionError):
+        return None
+
+
+def _utf8(x):
+    if isinstance(x, str):
+        return x.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(x, list):
+        return [_utf8(v) for v in x]
+    return {_utf8(k): _utf8(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
+def read_metrics(run_dir: str, name: str = "metrics.jsonl", bad: list | None = None) -> list[dict]:
     """metrics.jsonl (or eval.jsonl, the held-out evaluations) rows sorted by step; [] when absent
     or a link out of the run folder. One small line per step: read on every request. A row whose
     step is not a number has no place on a curve and is left out (sorting it among numbers, or
-    keying by a list, was a 500)."""
+    keying by a list, was a 500). The numbers of lines that cannot be read go to `bad`."""
     path = os.path.join(run_dir, name)
     if not os.path.isfile(path) or not inside(run_dir, path):
         return []
     rows = []
     with open(path, encoding="utf-8", errors="replace") as f:  # a stray byte: not a 500
-        for line in f:
+        for n, line in enumerate(f, start=1):
             if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:  # a line being written right now
-                    continue
+                rows.append(load_line(line))
+                if rows[-1] is None and bad is not None and line.endswith("\n"):
+                    bad.append(n)  # (a last line without its newline is still being written)
     return sorted((r for r in rows if isinstance(r, dict) and real(r.get("step"))),
                   key=lambda r: r["step"])
 
@@ -127,19 +145,17 @@ SUMMARY_KEYS = ("env", "item_id", "group", "status", "reward", "turns", "max_tur
 
 @functools.lru_cache(maxsize=16)
 def step_summaries(path: str, mtime_ns: int, size: int) -> tuple[list[dict], int]:
-    """(summary of every trajectory with its line number, unreadable lines) of one step file; cached
-    per file version (mtime, size), so paging and filtering a large step parse it once."""
-    rows, bad = [], 0
+    """(summary of every trajectory with its line number, the numbers of unreadable lines) of one
+    step file; cached per file version (mtime, size), so paging and filtering a large step parse
+    it once."""
+    rows, bad = [], []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                t = json.loads(line)
-            except ValueError:
-                t = None
+            t = load_line(line)
             if not isinstance(t, dict):
-                bad += 1
+                bad.append(n)
                 continue
             rows.append({"line": n, **{k: t.get(k) for k in SUMMARY_KEYS}})
     return rows, bad
@@ -285,7 +301,9 @@ INDEX = """<table><tr><th>#</th><th>run</th><th>steps logged</th><th>last succes
 {% if r.error %}<td colspan="2" class="problem">cannot read: {{ r.error }}</td>{% else %}\
 <td>{{ r.steps }}</td><td>{{ r.last|num }}</td>{% endif %}</tr>{% endfor %}</table>"""
 
-RUN = """<div>{% for svg in curves %}{{ svg }}{% endfor %}</div>
+RUN = """{% for name, lines in bad %}<p class="problem">{{ name }}: {{ lines|length }} unreadable \
+lines: {{ lines[:20]|join(", ") }}</p>{% endfor %}
+<div>{% for svg in curves %}{{ svg }}{% endfor %}</div>
 <h3>steps</h3>{% if not steps %}<p>no rollouts/step_*.jsonl yet</p>{% endif %}
 <table><tr><th>step</th><th>K</th><th>success</th><th>reward</th><th>turns</th></tr>
 {% for s in steps %}<tr><td><a class="step" href="/run/{{ run }}/step/{{ s.step }}">step \
@@ -303,8 +321,8 @@ STEP = """<form method="get">env <input name="env" value="{{ q.env }}" size="8">
 value="{{ q.reward_min }}" size="4"> to <input name="reward_max" value="{{ q.reward_max }}" \
 size="4">
 <button>filter</button></form>
-<p>{{ total }} trajectories match{% if bad %}, <span class="problem">{{ bad }} unreadable lines\
-</span>{% endif %};
+<p>{{ total }} trajectories match{% if bad %}, <span class="problem">{{ bad|length }} unreadable \
+lines: {{ bad[:20]|join(", ") }}</span>{% endif %};
 page {{ page }} of {{ pages }}
 {% if page > 1 %}<a class="prev" href="?{{ qs(page - 1) }}">previous</a>{% endif %}
 {% if page < pages %}<a class="next" href="?{{ qs(page + 1) }}">next</a>{% endif %}</p>
@@ -392,10 +410,9 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
         line = read_line(step_path(r, s), n) if 1 <= n <= MAX_LINE else None
         if line is None or not line.strip():
             abort(404, f"run {r} step {s} has no trajectory on line {n}")
-        try:
-            t = json.loads(line)
-        except ValueError:
-            abort(422, f"run {r} step {s} line {n} is not valid JSON")
+        t = load_line(line)
+        if t is None:
+            abort(422, f"run {r} step {s} line {n} is not valid JSON, or is nested too deep")
         if not isinstance(t, dict) or not all(isinstance(t.get(k) or [], list) for k in
                                                ("token_ids", "loss_mask", "logprobs", "messages")):
             abort(422, f"run {r} step {s} line {n} is not a trajectory (a JSON object with lists "
@@ -454,19 +471,21 @@ def create_app(run_dirs: list[str], tokenizer: str | None = None, host: str = "1
     @app.get("/run/<int:r>")
     def run_page(r: int):
         d = run_dir(r)
-        metrics = read_metrics(d)
+        bad = {"metrics.jsonl": [], "eval.jsonl": []}
+        metrics = read_metrics(d, bad=bad["metrics.jsonl"])
         by_step = {m["step"]: m for m in metrics}
         xs = [m["step"] for m in metrics]
         drawn = CURVES + [(k, t) for k, t in LOGGED_CURVES if any(k in m for m in metrics)]
         curves = [svg_curve(xs, [m.get(k) for m in metrics], title) for k, title in drawn]
-        evals = read_metrics(d, "eval.jsonl")
+        evals = read_metrics(d, "eval.jsonl", bad["eval.jsonl"])
         if evals:  # the held-out evaluations train.py wrote (step 0 = before training)
             curves.insert(1,
                           svg_curve([e["step"] for e in evals],
                                     [e.get("success_rate") for e in evals], "held-out success "
                                     f"({evals[-1].get('tasks', '?')} test tasks)"))
         steps = [{"step": s, "m": by_step.get(s, {})} for s in step_files(d)]
-        return page(os.path.basename(d), RUN, (), run=r, curves=curves, steps=steps)
+        return page(os.path.basename(d), RUN, (), run=r, curves=curves, steps=steps,
+                    bad=[(name, lines) for name, lines in bad.items() if lines])
 
     @app.get("/run/<int:r>/step/<int:s>")
     def step_page(r: int, s: int):

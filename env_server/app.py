@@ -44,10 +44,12 @@ cross-site POSTs, foreign origins, DNS rebinding while bound to loopback).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
 import threading
+import time
 import warnings
 from urllib.parse import urlsplit
 
@@ -436,10 +438,42 @@ class JsonErrorTask(ErrorTask):
 
 
 class JsonErrorChannel(HTTPChannel):
+    """waitress's channel, with JSON error answers and the time its unfinished request began:
+    from the connection's opening, then from each new request's first byte (None while no request
+    is partly read). waitress's idle rule alone cannot end a connection that sends one byte of a
+    header every few seconds; `close_slow_requests` ends one whose request takes too long."""
+
     error_task_class = JsonErrorTask
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.request_began = self.creation_time
 
-def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 4, **kw):
+    def received(self, data):
+        before = self.request
+        if before is None and self.request_began is None:
+            self.request_began = time.time()
+        out = super().received(data)
+        if self.request is None:
+            self.request_began = None
+        elif self.request is not before and before is not None:  # a pipelined request began
+            self.request_began = time.time()
+        return out
+
+
+def close_slow_requests(server, deadline_s: float, now: float) -> None:
+    """waitress's maintenance (idle connections), then: close each connection whose request has
+    not arrived whole `deadline_s` after it began (a connection that sends nothing counts from its
+    opening)."""
+    type(server).maintenance(server, now)
+    for channel in list(server.active_channels.values()):
+        began = getattr(channel, "request_began", None)
+        if began is not None and now - began > deadline_s and not channel.requests:
+            channel.will_close = True
+
+
+def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int = 4,
+                request_deadline_s: float = 10.0, **kw):
     """A waitress server (production-grade, threaded, pure Python) for `app`; `port=0` picks a free
     port (read it from `server.effective_port`). Call `.run()` to serve, `.close()` to stop. A
     guarded app (`guard`) learns here the address it is bound to; waitress's own error answers are
@@ -449,7 +483,10 @@ def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int
     steps/s): responses are buffered whole and sent by the I/O loop in one write (`send_bytes`)
     instead of one send per header and body from the worker thread; poll() instead of select(); and
     few worker threads, since game steps hold the GIL (raise --threads for games that wait on I/O or
-    a JVM).
+    a JVM). A request must arrive whole within `request_deadline_s` of its first byte (a new
+    connection's first within as long of its opening), or its connection is closed: otherwise a
+    client trickling a header line holds a connection for as long as it likes, and enough of them
+    hold every connection the server allows (docs/reliability.md).
     """
     # waitress warns "Task queue depth is N" whenever requests wait for a thread: normal under load.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
@@ -476,12 +513,15 @@ def make_server(app: Flask, host: str = "127.0.0.1", port: int = 0, threads: int
         # makes a channel per connection: ours, for this server only
         if isinstance(listener, BaseWSGIServer):
             listener.channel_class = JsonErrorChannel
+            listener.maintenance = functools.partial(close_slow_requests, listener,
+                                                     request_deadline_s)
     return server
 
 
-def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0):
-    """Serve any WSGI app with waitress on a daemon thread; return (base_url, stop)."""
-    server = make_server(app, host, port)
+def serve_wsgi_in_thread(app, host: str = "127.0.0.1", port: int = 0, **kw):
+    """Serve any WSGI app with waitress on a daemon thread (make_server's `kw`); return (base_url,
+    stop)."""
+    server = make_server(app, host, port, **kw)
     stopping, stopped = threading.Event(), threading.Event()
 
     def loop():

@@ -67,6 +67,51 @@ def test_oversized_bodies_and_too_many_instances_are_refused():
 JSON = {"Content-Type": "application/json"}
 
 
+def test_connections_that_trickle_a_header_or_send_nothing_are_closed_at_the_deadline():
+    """Every connection the server allows (16 here) held by a client that sends a header line a
+    byte every 0.2 s, or nothing at all: each is closed once its request is not whole 1 s after it
+    began (checked every 0.2 s), and a health check gets through. waitress's idle rule alone
+    never closes the trickling ones (each byte is activity) and held the others for 30 s."""
+    import threading
+    import time
+
+    app = create_app(CounterEnv, None)
+    url, stop = serve_wsgi_in_thread(app, connection_limit=16, request_deadline_s=1.0,
+                                     cleanup_interval=0.2)
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    socks, done = [], threading.Event()
+    try:
+        for i in range(16):
+            socks.append(socket.create_connection((host, port)))
+            if i % 2 == 0:
+                socks[-1].sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+
+        def trickle():
+            while not done.is_set():
+                for sk in socks[::2]:
+                    try:
+                        sk.sendall(b"a")
+                    except OSError:
+                        pass
+                time.sleep(0.2)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        started = time.monotonic()
+        assert raw(url, "GET", "/")[0] == 200
+        assert time.monotonic() - started < 8
+        for sk in socks:  # each was closed by the server: reading gives end of stream
+            sk.settimeout(5)
+            try:
+                assert sk.recv(1 << 16) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        done.set()
+        for sk in socks:
+            sk.close()
+        stop()
+
+
 def test_simple_cross_site_posts_are_refused(toy_server):
     """A web page can POST cross-site without the browser asking first only as text/plain, a form or
     no type at all: such a POST with a body gets a 415 and never reaches a game. One without a body

@@ -357,6 +357,15 @@ def train_reward(env: str, value: float) -> float:  # the rollout applies it to 
 
 
 # ---------------------------------------------------------------- many instances
+def _room(health) -> int | None:
+    """How many more instances a server's health answer says it can create, or None."""
+    if not isinstance(health, dict):
+        return None
+    top, now = health.get("max_instances"), health.get("instances")
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (top, now))
+    return top - now if ok else None
+
+
 def _guarded(fn, x):
     """fn(x), or the EnvError it raised: one instance's failure never stops the others."""
     try:
@@ -377,10 +386,16 @@ class EnvPool:
         self.size = size
         self.executor = ThreadPoolExecutor(max(1, min(workers, size)), "env-pool")
         self.batch_chunk = batch_chunk
+        health = self._health()
         if use_batch is None:
-            health = self._health()
             use_batch = isinstance(health, dict) and bool(health.get("batch"))
         self.use_batch = use_batch
+        room = _room(health)
+        if room is not None and size > room:  # refused now, not after `size` refusals
+            self.executor.shutdown()
+            raise EnvError("env", f"a pool of {size} instances (--batch-size x --group-size) "
+                                  f"does not fit the server at {base_url}: it has room for "
+                                  f"{room} (its --max-instances {health['max_instances']})", 503)
         self.clients: list[EnvClient | None] = [None] * size
         made = self._map(lambda i: EnvClient(self.http), range(size))
         errors = [m for m in made if isinstance(m, EnvError)]

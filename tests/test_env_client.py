@@ -564,3 +564,30 @@ def test_an_answer_past_the_cap_is_an_env_error_and_the_flag_sets_the_cap(toy_se
     with pytest.raises(SystemExit):
         train.parse_args(["--env", "corridor", "--env-max-answer-mb", "0"])
     assert "--env-max-answer-mb must be positive, got 0" in capsys.readouterr().err
+
+
+def test_a_pool_past_the_servers_room_is_refused_before_any_instance_is_made(tmp_path):
+    """--batch-size 100000 once made the pool ask for 800,000 instances one by one, silent for
+    minutes: now one answer names the room (the server's --max-instances less what it holds), and
+    train.py says it in one line."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    url, stop = serve_wsgi_in_thread(create_app(CounterEnv, None, max_instances=4))
+    try:
+        with EnvPool(url, 1):
+            with pytest.raises(EnvError, match=r"a pool of 4 instances .* has room for 3 \(its "
+                                               r"--max-instances 4\)"):
+                EnvPool(url, 4)
+            assert raw(url, "GET", "/")[1]["instances"] == 1
+    finally:
+        stop()
+    out = subprocess.run([sys.executable, "train.py", "--env", "corridor", "--batch-size", "200",
+                          "--steps", "1", "--out", str(tmp_path / "run")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "train.py: a pool of 1600 instances (--batch-size x --group-size) does not fit")
+    assert not (tmp_path / "run").exists()

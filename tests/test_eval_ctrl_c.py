@@ -1,5 +1,5 @@
-"""eval.py stopped by Ctrl-C, as a user would: one line, exit 130, what is kept named; no
-traceback, no half-built model folder."""
+"""eval.py and train.py stopped by Ctrl-C, as a user would: one line, exit 130, what is kept
+named; no traceback, no half-built model folder."""
 
 import os
 import subprocess
@@ -59,3 +59,20 @@ def test_ctrl_c_while_the_model_builds_is_one_line(tmp_path):
                                             "(the stages built stay there); nothing played")
     assert not [p for p in os.listdir(cache) if ".tmp" in p]
     assert sorted(os.listdir(tmp_path)) == ["cache", "stderr", "stdout"]  # no result, no partial
+
+
+def test_ctrl_c_while_a_run_sets_up_is_one_line(tmp_path):
+    """train.py between its "run folder:" line and its first step (the env server starting, the
+    model loading, the env instances made): one line, exit 130, no run folder."""
+    cache = tmp_path / "cache"
+    subprocess.run([sys.executable, "-c", "import models.builtin as b; "
+                    f"b.default_model_path('corridor', {str(cache)!r})"], cwd=ROOT, check=True,
+                   capture_output=True)
+    code, err = interrupted([sys.executable, "train.py", "--env", "corridor", "--steps", "1",
+                             "--threads", "1", "--cache-dir", str(cache),
+                             "--out", str(tmp_path / "run")],
+                            tmp_path, lambda stdout: "run folder:" in stdout)
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("train.py: interrupted while setting up, before the "
+                                            "first step")
+    assert not (tmp_path / "run").exists()

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import algos
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
-from env_client import EnvPool
+from env_client import EnvError, EnvPool
 from models.builtin import resolve
 from models.names import chat_format
 from models.policy import (Critic, dtype_name, load_model, load_tokenizer, pad_id, prepare,
@@ -52,6 +52,7 @@ def started(cfg: Config):
     the loop. On Ctrl-C / SIGTERM: a checkpoint and exit; at the end: the summary
     (run.summary)."""
     rank, world, device = init_distributed(cfg.device)
+    ready = False  # until the loop's signal handling takes over, Ctrl-C is one line
     try:
         named = cfg.out is not None
         if cfg.out is None:  # rank 0's clock names the run
@@ -96,6 +97,7 @@ def started(cfg: Config):
                                          dataclasses.asdict(cfg))
             try:
                 with Interrupts(defer_all=world > 1) as run.intr:
+                    ready = True
                     try:
                         yield run
                     except KeyboardInterrupt:
@@ -111,6 +113,12 @@ def started(cfg: Config):
                     run.bar.close()
                 run.pool.close()
                 run.reporter.close()
+    except KeyboardInterrupt:
+        if ready:
+            raise
+        print("train.py: interrupted while setting up, before the first step", file=sys.stderr,
+              flush=True)
+        raise SystemExit(130) from None
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -153,8 +161,8 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
               schedule=make_schedule(cfg.schedule, every, cfg.schedule_kind),
               data_rng=random.Random(cfg.seed), sample_gen=None,
               update_gen=torch.Generator().manual_seed(cfg.seed + global_rank()),
-              pool=EnvPool(url, cfg.batch_size // world_size() * cfg.group_size,
-                           timeout=cfg.env_timeout),
+              pool=env_pool(url, cfg.batch_size // world_size() * cfg.group_size,
+                            cfg.env_timeout),
               train_ids=train_ids,
               test_ids=spread(tasks["splits"].get("test", []), cfg.eval_tasks),
               categories=tasks["categories"], threads=torch.get_num_threads(),
@@ -170,6 +178,15 @@ def setup(cfg: Config, url: str, server, device, ckpt: str | None) -> Run:
         if m is not None:
             algos.head_split_ok(m)
     return run
+
+
+def env_pool(url: str, size: int, timeout: float) -> EnvPool:
+    """The run's instances, or one line: a pool the server has no room for is refused at once
+    (env_client.EnvPool), as is one it could not make."""
+    try:
+        return EnvPool(url, size, timeout=timeout)
+    except EnvError as e:
+        raise SystemExit(f"train.py: {e.message}") from None
 
 
 def built(cfg: Config) -> str:

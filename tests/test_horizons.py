@@ -235,3 +235,33 @@ def test_a_longer_study_into_a_begun_one_is_refused_in_words(tmp_path, capsys):
                              "--", *FAST])
     err = capsys.readouterr().err
     assert "--steps 4" in err and "was run for 2 steps" in err and "schedule_every" not in err
+
+
+def test_the_figure_keeps_equal_curves_apart_and_plots_turns(tmp_path, monkeypatch):
+    """Two arms whose curves are equal stay told apart (their own dashes); success axes start at
+    0 and end at 1, steps are whole numbers, and a third panel plots turns per episode."""
+    import matplotlib.figure
+    from matplotlib.ticker import MaxNLocator
+    from types import SimpleNamespace
+
+    from recipes.horizons_report import draw
+
+    seen = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: seen.setdefault("fig", fig))
+    curve = [{"step": s, "mean": 0.5, "min": 0.4, "max": 0.6} for s in (0, 5)]
+    arm = {"curve": curve, "train_curve": [[1, 0.5], [2, 0.5]], "turns_curve": [[1, 3.0],
+                                                                                [2, 2.5]],
+           "held_out_tasks": 12, "chance": 0.2}
+    table = [{**arm, "arm": "2", "label": "K=2"}, {**arm, "arm": "2,4", "label": "K=2->4"}]
+    a = SimpleNamespace(eval_turns=4, steps=5, cfg=SimpleNamespace(eval_samples=2))
+    draw(a, table, str(tmp_path / "h.png"))
+    held, train, turns = seen["fig"].axes
+    assert "turns" in turns.get_title() and [tuple(x) for x in turns.lines[1].get_xydata()] == [
+        (1, 3.0), (2, 2.75)]  # the trailing mean
+    styles = {ln.get_label(): (ln.get_linestyle(), ln.get_markersize()) for ln in held.lines
+              if ln.get_label() in ("K=2", "K=2->4")}
+    assert len(set(styles.values())) == 2
+    assert held.get_ylim() == train.get_ylim() == (0, 1.03) and turns.get_ylim()[0] == 0
+    assert all(isinstance(ax.xaxis.get_major_locator(), MaxNLocator)
+               and ax.xaxis.get_major_locator()._integer for ax in (held, train, turns))

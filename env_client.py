@@ -345,17 +345,6 @@ def _read_id(created) -> tuple[str, int]:
                    f"/create answered without an instance id: {str(created)[:200]}")
 
 
-# ---------------------------------------------------------------- reward scales
-# What a game's step value (Step.reward) is divided by for the trainer's scale, where
-# success = 1: SciWorld scores 0-100 (negative after a fatal mistake), as AgentGym's server
-# does; the rest 0-1.
-SCORE_SCALES = {"sciworld": 100.0}
-
-
-def train_reward(env: str, value: float) -> float:  # the rollout applies it to every step
-    return value / SCORE_SCALES.get(env, 1.0)
-
-
 # ---------------------------------------------------------------- many instances
 def _room(health) -> int | None:
     """How many more instances a server's health answer says it can create, or None."""

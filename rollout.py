@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from env_server.agents import Move, make_agent, opens_by_guessing, random_moves, react_reply
-from env_client import EnvError, EnvPool, train_reward
+from env_client import EnvError, EnvPool
 
 
 # ------------------------------------------------------------ chat template, as token deltas
@@ -265,6 +265,16 @@ def start_trajectories(pool: EnvPool, env: str, item_ids: list[int], groups: lis
             t.messages = agent.opening(_fit(first, t, cfg))
         trajs.append(t)
     return trajs
+
+
+# The reward's scale: what a game's step value (Step.reward) is divided by, so that success is 1
+# in every game: SciWorld scores 0-100 (negative after a fatal mistake), as AgentGym's server
+# does; the rest 0-1.
+SCORE_SCALES = {"sciworld": 100.0}
+
+
+def train_reward(env: str, value: float) -> float:  # applied to every step's value, below
+    return value / SCORE_SCALES.get(env, 1.0)
 
 
 def play_moves(pool: EnvPool, trajs: list[Trajectory], agents: list, moves: dict[int, Move],

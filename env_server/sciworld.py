@@ -23,7 +23,7 @@ Score and reward, on upstream's scale and with upstream's meaning (its /step ans
   gives less than -100);
 - /detail's `score` is the same 0-100 score; /reset answers `score` 0 and `reward` 0 (see the
   departures).
-The trainer wants 0-1 (success = 1, as every other game): env_client.SCORE_SCALES holds SciWorld's
+The trainer wants 0-1 (success = 1, as every other game): rollout.SCORE_SCALES holds SciWorld's
 100, and the rollout (rollout.play_moves) divides the score it reads by it, from this server or
 upstream's alike. Nothing here divides.
 

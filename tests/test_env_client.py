@@ -16,7 +16,8 @@ from flask import Flask, Response, jsonify, request
 from toy_env import CounterEnv
 
 import env_client
-from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from, train_reward
+from env_client import EnvClient, EnvError, EnvPool, Step, Transport, _step_from
+from rollout import train_reward
 from env_server.app import create_app, serve_wsgi_in_thread
 
 

@@ -9,8 +9,9 @@ is recorded: the rollout and the env client's worker threads included, the env s
 process) not. A function counts with every line of its definition, decorators and docstring
 included; a nested function, comprehension or lambda counts inside the function it is written in.
 Printed: lines and functions per file, the total, and the deepest chain of project functions on one
-thread's stack (train.main is 1). tests/test_trace_step.py holds the budget on the README's
-command.
+thread's stack (train.main is 1); and the same for the reading files alone (READING: the
+algorithm's own files), their chain counting only their own functions. tests/test_trace_step.py
+holds both tiers' budgets on the README's command.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ CORRIDOR = ["--env", "corridor", "--schedule", "8", "--steps", "3", "--batch-siz
             "--group-size", "8", "--max-new-tokens", "6", "--lr", "3e-3", "--eval-samples", "4",
             "--seed", "0"]
 SKIP = ("tests", "bench", "docs", "runs")  # not the project's running code
+# The files a reader of the algorithm walks; the rest is transport, speed and bookkeeping
+READING = ("train.py", "rollout.py", "algos.py", "scheduler.py", "env_server/agents.py")
 
 
 def is_project(path: str) -> bool:
@@ -83,6 +86,7 @@ class Tracer:
         self.units = Units()
         self.seen: set[tuple] = set()
         self.deepest: list[str] = []
+        self.deepest_reading: list[str] = []
         self.main_code = None
 
     def _chain(self, frame) -> list[str]:
@@ -112,6 +116,9 @@ class Tracer:
             self.seen.add(self.units.of(frame.f_code))
             if len(chain) > len(self.deepest):
                 self.deepest = chain
+            reading = [c for c in chain if c.rsplit(":", 1)[0] in READING]
+            if len(reading) > len(self.deepest_reading):
+                self.deepest_reading = reading
         return None
 
 
@@ -128,6 +135,9 @@ def report(tracer: Tracer) -> dict:
             "lines": sum(v[0] for v in files.values()),
             "functions": sum(v[1] for v in files.values()),
             "depth": len(tracer.deepest), "chain": tracer.deepest,
+            "reading_lines": sum(v[0] for k, v in files.items() if k in READING),
+            "reading_depth": len(tracer.deepest_reading),
+            "reading_chain": tracer.deepest_reading,
             "units": [f"{os.path.relpath(path, ROOT)}:{first}-{last} {name}"
                       for path, first, last, name in sorted(tracer.seen)]}
 
@@ -147,7 +157,12 @@ def trace(argv: list[str], step: int = 2) -> dict:
     finally:
         sys.settrace(None)
         threading.settrace(None)
-    return report(tracer)
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        traced = next(m for m in map(json.loads, f) if m["step"] == step)
+    # whether the traced step trained (an informative group, an update applied): else its path
+    # leaves the update out
+    updated = bool(traced.get("groups_informative")) and not traced.get("skipped_update")
+    return {**report(tracer), "updated": updated}
 
 
 def show(r: dict) -> None:
@@ -157,6 +172,8 @@ def show(r: dict) -> None:
         print(f"{f:{w}}  {lines:5d}  {n:9d}")
     print(f"{'total':{w}}  {r['lines']:5d}  {r['functions']:9d}   in {len(r['files'])} files")
     print(f"deepest chain ({r['depth']}): " + " -> ".join(r["chain"]))
+    print(f"the reading files ({', '.join(READING)}): {r['reading_lines']} lines; deepest chain "
+          f"within them ({r['reading_depth']}): " + " -> ".join(r["reading_chain"]))
 
 
 def main() -> None:

@@ -81,3 +81,25 @@ def test_a_random_walker_wins_as_often_as_the_exact_walk():
     won = sum(t.status == "done" and t.reward > 0 for t in trajs) / len(trajs)
     assert abs(won - exact) < 4 * (exact * (1 - exact) / len(trajs)) ** 0.5, (won, exact)
     assert agents.random_moves("doors", []) == ["left", "right", "open"]
+
+
+def test_train_py_plays_doors_from_its_warm_start_with_chance_beside(tmp_path):
+    """The horizon study's game trains as any built-in one: its tiny model and random-mover warm
+    start are built, two steps train, and the first held-out evaluation has chance beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", "--env", "doors", "--schedule", "4",
+                        "--steps", "2", "--batch-size", "4", "--group-size", "4",
+                        "--max-new-tokens", "4", "--eval-every", "2", "--eval-samples", "2",
+                        "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads((out / "eval.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["tasks"] == 12 and 0.0 < first["chance"] < 0.5
+    assert set(first["by_category"]) == {"distance_3", "distance_3_door_2", "distance_3_door_3"}

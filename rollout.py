@@ -358,7 +358,8 @@ def rollout(policy, pool: EnvPool, env: str, item_ids: list[int], groups: list[i
     for t in trajs:
         if not t.finished:
             t.status = "max_turns"
-    _warn_mismatch(fmt, trajs)
+    if any(t.template == "mismatch" for t in trajs):  # a warning, off the usual path
+        _warn_mismatch(fmt, trajs)
     return trajs
 
 
@@ -400,15 +401,13 @@ def _append_observation(fmt: ChatFormat, t: Trajectory, reply_ended: bool,
         t.status = "context_limit"
 
 
-def _warn_mismatch(fmt: ChatFormat | None, trajs: list[Trajectory]) -> None:
+def _warn_mismatch(fmt: ChatFormat, trajs: list[Trajectory]) -> None:
     mismatched = sum(t.template == "mismatch" for t in trajs)
-    if mismatched:
-        why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
-               if not fmt.prefix_preserving
-               else "decode/encode is not a round trip for this tokenizer")
-        warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's "
-                      f"rendering of their messages: {why}. Rows keep the ids the policy "
-                      "saw, and those are trained on.", stacklevel=3)
+    why = ("this template rewrites history (e.g. Qwen3 drops earlier <think> blocks)"
+           if not fmt.prefix_preserving else "decode/encode is not a round trip for this tokenizer")
+    warnings.warn(f"{mismatched}/{len(trajs)} rows differ from the chat template's rendering of "
+                  f"their messages: {why}. Rows keep the ids the policy saw, and those are "
+                  "trained on.", stacklevel=3)
 
 
 def play_in_chunks(url: str, size: int, items: list[int], groups: list[int], play,

@@ -49,9 +49,13 @@ class CorridorEnv(Env):
     def reset(self, idx: int) -> str:
         if not 0 <= idx < NUM_TASKS:
             raise TaskError(f"task id {idx} out of range 0..{NUM_TASKS - 1}", 404)
-        self.goal = distance(idx) * (1 if idx % 2 == 0 else -1)
+        self._place(idx)
         self.pos, self.done = 0, False
         return self.observation()
+
+    def _place(self, idx: int) -> None:
+        """Task idx's layout: here the goal."""
+        self.goal = distance(idx) * (1 if idx % 2 == 0 else -1)
 
     def observation(self) -> str:
         self._require_task()

@@ -20,11 +20,10 @@ task plays, behind doors where training tasks have theirs (2 cells away, or at t
 from __future__ import annotations
 
 from .base import StepResult, TaskError
-from .corridor import CorridorEnv
+from .corridor import NUM_TRAIN, CorridorEnv  # Corridor's split: 48 training tasks, 12 test
 
 TRAIN_KINDS = ((1, None), (2, None), (4, None), (2, 2), (4, 2), (4, 4))
 TEST_KINDS = ((3, None), (3, 2), (3, 3))
-NUM_TRAIN, NUM_TASKS = 48, 60
 WORDS = ("left", "right", "open")
 
 
@@ -39,25 +38,12 @@ class DoorsEnv(CorridorEnv):
     name = "doors"
 
     @classmethod
-    def num_tasks(cls, world) -> int:
-        return NUM_TASKS
-
-    @classmethod
-    def splits(cls, world) -> dict[str, list[int]]:
-        return {"train": list(range(NUM_TRAIN)), "test": list(range(NUM_TRAIN, NUM_TASKS))}
-
-    @classmethod
     def task_category(cls, world, idx: int) -> str:
         d, door = kind(idx)
         return f"distance_{d}" + (f"_door_{door}" if door else "")
 
-    def reset(self, idx: int) -> str:
-        if not 0 <= idx < NUM_TASKS:
-            raise TaskError(f"task id {idx} out of range 0..{NUM_TASKS - 1}", 404)
-        d, door = kind(idx)
-        self.goal, self.door = d, door
-        self.pos, self.done = 0, False
-        return self.observation()
+    def _place(self, idx: int) -> None:
+        self.goal, self.door = kind(idx)
 
     def _door_beside(self) -> int:
         """+1 or -1 where a closed door stands next to the walker, else 0."""

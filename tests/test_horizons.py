@@ -265,3 +265,26 @@ def test_the_figure_keeps_equal_curves_apart_and_plots_turns(tmp_path, monkeypat
     assert held.get_ylim() == train.get_ylim() == (0, 1.03) and turns.get_ylim()[0] == 0
     assert all(isinstance(ax.xaxis.get_major_locator(), MaxNLocator)
                and ax.xaxis.get_major_locator()._integer for ax in (held, train, turns))
+
+
+def test_a_model_another_process_finished_first_is_taken_as_built(tmp_path, monkeypatch):
+    """Two runs of a study build the same model at once: the one that renames second finds the
+    folder already there (the rename fails on a full folder) and takes the winner's."""
+    import models.builtin as builtin
+
+    path, real_replace = str(tmp_path / "model"), os.replace
+
+    def winner_first(src, dst):  # the other process renames between our build and our rename
+        os.makedirs(dst)
+        open(os.path.join(dst, "config.json"), "w").write("{}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(builtin.os, "replace", winner_first)
+
+    def build(tmp):
+        os.makedirs(tmp)
+        open(os.path.join(tmp, "config.json"), "w").write('{"ours": 1}')
+
+    assert builtin.build_once(path, build) == path
+    assert json.load(open(os.path.join(path, "config.json"))) == {}
+    assert os.listdir(tmp_path) == ["model"]  # our copy removed

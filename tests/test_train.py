@@ -595,23 +595,3 @@ def test_an_exception_in_an_update_keeps_the_last_finished_step(tmp_path, cache_
     losses = lambda d: [m.get("loss") for m in metrics(d)]  # noqa: E731
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
 
-
-def test_a_model_another_process_finished_first_is_taken_as_built(tmp_path, monkeypatch):
-    """Two runs of a study build the same model at once: the one that renames second finds the
-    folder already there (the rename fails on a full folder) and takes the winner's."""
-    path, real_replace = str(tmp_path / "model"), os.replace
-
-    def winner_first(src, dst):  # the other process renames between our build and our rename
-        os.makedirs(dst)
-        open(os.path.join(dst, "config.json"), "w").write("{}")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(models.os, "replace", winner_first)
-
-    def build(tmp):
-        os.makedirs(tmp)
-        open(os.path.join(tmp, "config.json"), "w").write('{"ours": 1}')
-
-    assert models.build_once(path, build) == path
-    assert json.load(open(os.path.join(path, "config.json"))) == {}
-    assert os.listdir(tmp_path) == ["model"]  # our copy removed

@@ -40,10 +40,9 @@ Where this file departs from the papers and from upstream (AgentGym-RL on verl),
    that ended it: a row's turn rewards sum to its outcome. (c) Both levels divide by the
    group's std plus GRPO's eps (norm_std=False: mean only); the episode level keeps departure
    4, the step level gives an anchor group of one 0. (d) gamma: --gamma 1, the paper's 0.95.
-10. GiGPO's episode mean and std are over a group's trajectories (Eq. 3); verl-agent's gigpo
-   core (compute_mean_std_cross_steps=True, its default) takes them over step rows, one per
-   turn: in one group, outcome only, mean normalisation, a 1-turn trajectory scoring 1 and a
-   3-turn one scoring 0 get +0.5/-0.5 here, +0.75/-0.25 there. episode_stat="step": theirs.
+10. GiGPO's episode mean and std are over a group's trajectories (Eq. 3); verl-agent's default
+   takes them over turns (a 1-turn win and a 3-turn loss: +0.5/-0.5 here, +0.75/-0.25 there,
+   mean only). episode_stat="step": theirs.
 """
 from __future__ import annotations
 
@@ -100,13 +99,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
 def _finite(scores, name: str = "scores") -> torch.Tensor:
     """The scores as float32, refused where one is NaN or infinite: it would turn its whole
     group (GRPO, RLOO) or batch (whitening) into NaN."""
-    s = _f32(scores)
-    if not bool(torch.isfinite(s).all()):
-        _refuse_nonfinite(s, name)
-    return s
-
-
-def _refuse_nonfinite(s: torch.Tensor, name: str):
+    s = torch.as_tensor(scores).float()  # as _f32
+    if bool(torch.isfinite(s).all()):
+        return s
     bad = ~torch.isfinite(s)
     rows, values = torch.nonzero(bad).flatten().tolist()[:5], s[bad][:5].tolist()
     raise ValueError(f"{name} must be finite; rows {rows} hold {values} (an env that returns "
@@ -127,8 +122,7 @@ def _group_mean(scores: torch.Tensor, index: torch.Tensor, n: torch.Tensor) -> t
     return (sums.index_add(0, index, scores.double())[index] / n).float()
 
 
-def grpo_advantages(scores, group_ids, eps: float = 1e-6,
-                    norm_std: bool = True) -> torch.Tensor:
+def grpo_advantages(scores, group_ids, eps=1e-6, norm_std=True) -> torch.Tensor:
     """GRPO (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2), outcome supervision:
         A_i = (s_i - mean_g(s)) / (std_g(s) + eps),   g: i's group (G rows), std unbiased.
     norm_std=False only subtracts the mean (Dr. GRPO, Liu et al. 2025). A tied group gets 0; a
@@ -423,13 +417,13 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode="seq_mean_tok
         seq_mean_token_mean: mean_b [ sum_t m l / sum_t m ]  (every row; upstream default)
         seq_mean_token_sum:  mean_b [ sum_t m l ]            (Dr. GRPO, Liu et al. 2025)"""
     assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}: not one of {AGG_MODES}"
-    m = _f32(loss_mask)
+    m = torch.as_tensor(loss_mask).float()  # as _f32
+    selected = torch.where(m > 0, loss_mat.float(), 0.0)  # not l * m: no inf/NaN off m leaks in
     if mode == "token_mean":
-        return masked_mean(loss_mat, m)
+        return selected.sum() / m.sum().clamp(min=1.0)
+    per_seq = selected.sum(dim=1)  # (B,)
     if mode == "seq_mean_token_mean":
-        per_seq = masked_mean(loss_mat, m, dim=1)  # (B,)
-    else:  # where(), not l * m: an inf or NaN off the mask must not leak in (as masked_mean)
-        per_seq = torch.where(m > 0, loss_mat.float(), 0.0).sum(dim=1)  # (B,)
+        per_seq = per_seq / m.sum(dim=1).clamp(min=1.0)
     return per_seq.sum() / (m.sum(dim=1) > 0).sum().clamp(min=1)
 
 
@@ -438,13 +432,12 @@ def agg_denominator(loss_mask: torch.Tensor, mode: str = "seq_mean_token_mean") 
     rows with one. Split into parts (micro-batches, ranks), a batch's loss is
     sum_p agg_loss(p) * d(p) / sum_p d(p), d = agg_denominator (the trainer's weights)."""
     assert mode in AGG_MODES, f"unknown loss aggregation {mode!r}: not one of {AGG_MODES}"
-    m = _f32(loss_mask)
+    m = torch.as_tensor(loss_mask).float()  # as _f32
     return float(m.sum() if mode == "token_mean" else (m.sum(dim=-1) > 0).sum())
 
 
-def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float = 0.2,
-                clip_high: float = 0.2, dual_clip: float | None = None,
-                agg: str = "seq_mean_token_mean", token_weights=None):
+def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low=0.2, clip_high=0.2,
+                dual_clip=None, agg="seq_mean_token_mean", token_weights=None):
     """PPO's clipped surrogate (Schulman et al. 2017) per token, with DAPO's separate ranges:
         rho_t = exp(logp_t - logp_old_t)
         L_t   = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)
@@ -471,22 +464,14 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float =
     return loss, stats
 
 
-def value_loss(values, old_values, returns, loss_mask, clip: float = 0.2,
-               agg: str = "seq_mean_token_mean"):
+def value_loss(values, old_values, returns, loss_mask, clip=0.2, agg="seq_mean_token_mean"):
     """Clipped value loss (PPO2's baselines; Ziegler et al. 2019 for LLMs):
         V_clip = V_old + clip(V - V_old, -clip, clip)
         L_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)
-    values (with grad), old_values, returns, loss_mask (B, T) -> (loss, stats)."""
+    values (with grad), old_values, returns, loss_mask (B, T) -> the loss."""
     v, v_old, ret = values.float(), _f32(old_values), _f32(returns)
     v_clipped = v_old + (v - v_old).clamp(-clip, clip)
-    err_unclipped, err_clipped = (v - ret) ** 2, (v_clipped - ret) ** 2
-    loss = agg_loss(0.5 * torch.maximum(err_unclipped, err_clipped), loss_mask, agg)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((err_clipped > err_unclipped).float(), loss_mask).item(),
-            "values_mean": masked_mean(v, loss_mask).item(),
-        }
-    return loss, stats
+    return agg_loss(0.5 * torch.maximum((v - ret) ** 2, (v_clipped - ret) ** 2), loss_mask, agg)
 
 
 def kl_penalty(logprobs, ref_logprobs, kind: str = "k3",
@@ -523,11 +508,32 @@ def tis_weights(old_logprobs, sampler_logprobs, cap: float) -> torch.Tensor:
     return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
+# ----------------------------------- the sampler's token and log-prob, from logits (B, V)
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple:
+    """A token per row of fp32 logits (B, V) and its log-prob, log softmax(logits / T) before the
+    top-p cut (`nucleus`), as `token_logprobs`: where the trainer takes the sampler's numbers,
+    the PPO ratio's denominator (train.update). Temperature 0: greedy."""
+    logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+    if temperature <= 0:
+        return logp.argmax(-1), logp.max(-1).values
+    probs = logp.exp() if top_p >= 1.0 else nucleus(logp.exp(), top_p)
+    # drawn on the generator's device (a CPU one with a GPU model: the same stream)
+    where = probs.device if generator is None else generator.device
+    nxt = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1).to(probs.device)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's filter: the fewest tokens whose mass reaches top_p (the likeliest always)."""
+    sorted_p, idx = probs.sort(-1, descending=True)
+    sorted_p = sorted_p * (sorted_p.cumsum(-1) - sorted_p < top_p)
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
 # ----------------------------------- log-probs and entropy: from logits (B,T,V), of a model
 def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(z)[id] = z_id - logsumexp(z): logits (B, T, V), ids (B, T) -> (B, T)
-    float32, no (B, T, V) log-softmax. In float32 (one copy of the logits: chunk rows to bound
-    it): a bf16 logsumexp is off by ~0.01 nats, showing directly in the importance ratio."""
+    """log softmax(z)[id] = z_id - logsumexp(z), (B, T, V), (B, T) -> (B, T), in float32: a bf16
+    logsumexp is off by ~0.01 nats, showing directly in the importance ratio."""
     z = logits.float()
     return z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
@@ -540,8 +546,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
 
 
-def token_logprobs(model, rows: dict, temperature: float, mask=None,
-                   with_entropy: bool = False):
+def token_logprobs(model, rows: dict, temperature: float, mask=None, with_entropy=False):
     """log pi(y_t | y_<t) at temperature T of tokens 1..T-1 of `rows` (input_ids,
     attention_mask, position_ids (b, T)) -> (b, T-1), and entropies: the PPO ratio's
     numerator. With `mask` (b, T-1), where head_split_ok, the LM head (b x T x V, a small

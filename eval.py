@@ -12,8 +12,7 @@ one rule (rollout.is_success: the env ended the episode with a score above 0), o
 per category. An infrastructure error is left out and counted, never 0.
 Writes OUT and OUT.rollouts.jsonl (`python -m tools.viewer OUT`); prints a table. After a cut
 (a crash, Ctrl-C: one line, exit 130), the same command continues from OUT.partial.jsonl. A
-game the calling script registered is served on a thread of it. `held_out` is train.py's
-evaluation during a run.
+game the calling script registered is served on a thread of it.
 """
 
 from __future__ import annotations
@@ -28,17 +27,15 @@ import sys
 import time
 
 import torch
-from tqdm import tqdm
 
-from env_client import EnvError
-from env_server import get_env_class
-from env_server.agents import has_chance, served_here
-from models.loading import dtype_name, load_local  # a checkpoint, HF or built-in model
+from env_server.agents import has_chance
 from rollout import (EnginePolicy, RandomPolicy, RolloutConfig, Trajectory, is_success,
-                     outcomes, play_in_chunks, rollout, write_log)
+                     play_in_chunks)
 from tools import endpoint, eval_config, eval_outputs, paired  # the flags; named features
+from tools.loading import dtype_name, load_local  # a checkpoint, HF or built-in model
 from trainer import cli  # the env server (cli.serving_env), the task lists, the thread count
-from trainer.distributed import all_gather_list, global_rank, world_size  # held_out's ranks
+from trainer.held_out import CHANCE_SAMPLES, categories_for, player  # training's, shared
+from trainer.run import outcomes, write_log  # the episodes' counts and log, as training's
 
 
 def parse_args(argv=None) -> eval_config.EvalConfig:
@@ -125,11 +122,6 @@ def scores(episodes: list[tuple], trajs: list[Trajectory], category: dict) -> di
                         for (_, item, j), t in zip(episodes, trajs) if t.status != "env_error"])
 
 
-# Chance plays each task at least this many times: it needs no model, and an estimate from a
-# policy's 4 samples a task would move by several points from run to run
-CHANCE_SAMPLES = 32
-
-
 def chance(cfg, url: str, tasks: list[int], category: dict) -> dict | None:
     """The random policy's (rollout.RandomPolicy) Avg@n and Pass@n on the tasks and horizon a
     policy played, from N = max(n, CHANCE_SAMPLES) samples a task: Avg@n is their mean, Pass@n
@@ -167,13 +159,6 @@ def pass_at(n: int, N: int, c: int) -> float:
     return float(c > 0) if N < n else 1.0 - math.comb(N - c, n) / math.comb(N, n)
 
 
-def player(policy, env: str, rcfg: RolloutConfig, fmt, agent: str):  # for play_in_chunks
-    def play(pool, items, groups, progress=None):
-        return rollout(policy, pool, env, items, groups, rcfg, fmt=fmt, agent=agent,
-                       progress=progress)
-    return play
-
-
 def score_table(rows) -> dict:
     """Avg@n, Pass@n from (item_id, category, sample_index, score, success) rows of scored
     samples, n the most a task has (one with fewer, after errors, averages what it has) ->
@@ -193,59 +178,6 @@ def score_table(rows) -> dict:
     return {"n": n, "overall": summary(list(per_task.values())),
             "by_category": {c: summary([s for (k, _), s in per_task.items() if k == c])
                             for c in sorted({c for c, _ in per_task})}}
-
-
-def categories_for(env: str, item_ids: list[int],
-                   given: dict | None = None) -> dict[int, str]:
-    """task id -> category: from `given` (a --tasks-file's), else the env's own
-    `task_category` (TextCraft depth_k, BabyAI level); "all" where neither is (an env served
-    elsewhere)."""
-    if given:
-        return {i: given.get(i, "all") for i in item_ids}
-    cls = get_env_class(env) if served_here(env) else None
-    if not hasattr(cls, "task_category"):
-        return {i: "all" for i in item_ids}
-    world = cls.load_world(None)
-    return {i: cls.task_category(world, i) for i in item_ids}
-
-
-# ---------------------------------------------------------------- held out, during training
-def held_out(engine, fmt, url: str, env: str, test_ids: list[int], rcfg: RolloutConfig,
-             step: int, generator, batch: int = 64, timeout: float = 120.0,
-             agent: str = "react", categories: dict | None = None, samples: int = 1,
-             policy=None) -> dict:
-    """`samples` episodes per test task, sampled from `generator` (seeded alike each time), or
-    played by a text `policy` (the random one: chance): the success rate over episodes, env
-    errors left out and counted. Under torchrun each rank plays every N-th task and returns
-    the whole result."""
-    t0 = time.time()
-    mine = [i for i in test_ids[global_rank()::world_size()] for _ in range(samples)]
-    groups = [k // samples for k in range(len(mine))]  # a task's samples share its group
-    if policy is None:
-        policy = EnginePolicy(engine, fmt, rcfg, generator)
-    else:
-        fmt = None  # a text policy: no token rows
-    play = player(policy, env, rcfg, fmt, agent)
-    try:  # a rank without a task (more ranks than tasks) plays nothing
-        trajs = play_in_chunks(url, batch, mine, groups, play,
-                               desc=f"held-out eval @ step {step}", leave=False,
-                               timeout=timeout) if mine else []
-    except EnvError as e:  # no env server to play on: no result this time; training goes on
-        tqdm.write(f"held-out evaluation at step {step} failed: {e}")
-        trajs = [Trajectory(env, i, -1, [], [], [], [], status="env_error") for i in mine]
-    # every rank's episodes, on every rank, without the token rows (nothing here reads them)
-    trajs = all_gather_list([dataclasses.replace(t, token_ids=[], loss_mask=[], logprobs=[])
-                             for t in trajs])
-    kept, o = [t for t in trajs if t.status != "env_error"], outcomes(trajs)
-    cat = categories_for(env, test_ids, categories)
-    by_category = {c: outcomes([t for t in kept if cat[t.item_id] == c])["success_rate"]
-                   for c in sorted({cat[t.item_id] for t in kept})}
-    reported = ("episodes", "env_errors", "success_rate", "reward_mean", "turns_mean",
-                "guess_share")
-    tasks = len({t.item_id for t in kept})
-    return {"step": step, "max_turns": rcfg.max_turns, "tasks": tasks,
-            "samples": samples, **{k: o[k] for k in reported},
-            "by_category": by_category, "time_s": time.time() - t0}
 
 
 if __name__ == "__main__":

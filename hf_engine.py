@@ -27,6 +27,8 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+import algos  # the sampler's rule: a token and its log-prob (algos.sample_token)
+
 
 @dataclass
 class Sample:
@@ -150,7 +152,7 @@ class HFEngine:
                 # that every row keeps the sampling stream it has without compaction
                 every_row = logits.new_zeros(B, logits.shape[-1])
                 logits = every_row.index_copy_(0, live.rows, logits)
-            nxt, lp = sample(logits, temperature, top_p, generator)
+            nxt, lp = algos.sample_token(logits, temperature, top_p, generator)
             # a row that has stopped samples pad from then on (cut_at_stop drops it)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             new_ids.append(nxt)
@@ -231,8 +233,12 @@ class _Compacted:
         keep = (~done[rows]).nonzero().squeeze(1)
         if len(keep) > len(rows) // 2:
             return ids, pos, attn
-        self.restore()  # the computed rows back into the full layers, then a new selection
-        self.full = [(x.keys, x.values) for x in self.layers]
+        if self.full is None:
+            self.full = [(x.keys, x.values) for x in self.layers]
+        else:  # the computed rows back into the full layers (as `restore`), then a new selection
+            for x, (k, v) in zip(self.layers, self.full):
+                k.index_copy_(0, self.rows, x.keys)
+                v.index_copy_(0, self.rows, x.values)
         self.rows = rows[keep]
         for x, (k, v) in zip(self.layers, self.full):
             x.keys, x.values = k.index_select(0, self.rows), v.index_select(0, self.rows)
@@ -267,31 +273,3 @@ def cut_at_stop(new_ids: torch.Tensor, new_lps: torch.Tensor, stop_ids) -> list[
         n = next((t + 1 for t, tok in enumerate(ids_row) if tok in stop_set), len(ids_row))
         out.append(Sample(ids_row[:n], lps_row[:n], n > 0 and ids_row[n - 1] in stop_set))
     return out
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float,
-           generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from fp32 logits (B, V) and its log-prob, log softmax(logits / T)
-    before top-p truncation (as the trainer computes it); temperature 0 is greedy."""
-    if temperature <= 0:
-        logp = torch.log_softmax(logits, -1)
-        nxt = logp.argmax(-1)
-    else:
-        logp = torch.log_softmax(logits / temperature, -1)
-        probs = logp.exp()
-        if top_p < 1.0:
-            probs = _top_p_filter(probs, top_p)
-        # drawn on the generator's device (a CPU one with a GPU model: the same stream)
-        where = probs.device if generator is None else generator.device
-        nxt = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1)
-        nxt = nxt.to(probs.device)
-    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
-
-
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus sampling's filter: the fewest tokens whose probability mass reaches top_p."""
-    sorted_p, idx = probs.sort(-1, descending=True)
-    keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
-    sorted_p = sorted_p * keep
-    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-

@@ -16,15 +16,13 @@ the loss.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
-from env_server.agents import Move, make_agent, opens_by_guessing, random_moves, react_reply
+from env_server.agents import Move, make_agent, random_moves, react_reply
 from env_client import EnvError, EnvPool
 
 
@@ -48,7 +46,7 @@ class ChatFormat:
             raise ValueError("the chat template does not render an assistant turn as "
                              f"prompt + content (reply 'A' to 'U': {seen!r}); cannot build "
                              "observation turns from it")
-        anchor = self.encode(self._after_reply("x"))
+        anchor = self.observation_ids("x", reply_ended=False)
         first = anchor[0] if anchor else None
         special = (set(tokenizer.all_special_ids)
                    | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}))
@@ -70,10 +68,6 @@ class ChatFormat:
         return self.tok.decode(ids, skip_special_tokens=False,
                                clean_up_tokenization_spaces=False)
 
-    def _after_reply(self, observation: str) -> str:
-        turn = {"role": "user", "content": observation}
-        return self._render(self._dialog + [turn], gen=True)[len(self._head):]
-
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self._render(messages, gen=True))
 
@@ -89,7 +83,8 @@ class ChatFormat:
         """Ids to append after a reply: the end-of-turn token (unless the policy sampled it),
         the user turn, the generation prompt; tokenised with the end-of-turn token in front,
         as inside the full template, so boundaries match."""
-        ids = self.encode(self._after_reply(observation))
+        turn = {"role": "user", "content": observation}
+        ids = self.encode(self._render(self._dialog + [turn], gen=True)[len(self._head):])
         if reply_ended and self.eot_is_anchor:
             ids = ids[1:]
         return ids
@@ -508,32 +503,3 @@ def length_buckets(lengths: list[int], max_tokens: int,
         buckets.append(order[cut[j]:j])
         j = cut[j]
     return buckets[::-1]
-
-
-# ---------------------------------------------------------------- trajectory log
-def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> None:
-    """OUT/rollouts/step_000042.jsonl: a JSON line per trajectory, its fields, `step`,
-    `max_turns` (the format the viewer and sft.py --from-log read)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for t in trajs:
-            d = asdict(t)
-            d.update(step=step, max_turns=max_turns)
-            f.write(json.dumps(d) + "\n")
-    os.replace(tmp, path)
-
-
-def outcomes(trajs: list[Trajectory]) -> dict:
-    """How episodes ended, counted in this one place (training, eval.py): statuses over all,
-    the rest over those without env errors; turns_per_success None where none succeeded."""
-    kept = [t for t in trajs if t.status != "env_error"]
-    wins = [t.turns for t in kept if is_success(t)]
-    n = max(1, len(kept))
-    return {"episodes": len(kept), "env_errors": len(trajs) - len(kept),
-            "success_rate": len(wins) / n, "reward_mean": sum(t.reward for t in kept) / n,
-            "turns_mean": sum(t.turns for t in kept) / n,
-            "turns_per_success": sum(wins) / len(wins) if wins else None,
-            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
-            "statuses": {s: sum(t.status == s for t in trajs)
-                         for s in ("done", "max_turns", "context_limit", "env_error")}}

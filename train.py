@@ -14,8 +14,6 @@ never what is computed. `run` (trainer/run.py's Run) holds what setup made: cfg,
 one that computes: model or its bf16 copy), ref, critic, optims.
 """
 
-from __future__ import annotations
-
 import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before OpenMP loads: trainer/cli.py
 import math
@@ -24,14 +22,14 @@ import time
 import torch
 from tqdm import tqdm
 
-import algos
-from algos import token_logprobs  # the trainer's log-probs of the sampled tokens
+import algos  # the formulas: advantages, losses, the trainer's log-probs (token_logprobs)
+from distributed import all_gather_list, all_max, all_sum, global_whiten, world_size  # torchrun's
 from rollout import (EnginePolicy, RolloutConfig, Trajectory, informative_groups, rollout,
                      turn_state_keys)
 from trainer import config  # the flags, their checks and the real-model settings
-from trainer import run as layer  # the loop's layer: steps, progress, logs, batching, signals
 from trainer import setup  # a run set up (models, engine, env, --resume) and ended
-from trainer import distributed as ranks  # torchrun's collectives (one process: the identity)
+from trainer.run import generating, log_rollout, rollout_metrics  # the loop's engine and logs
+from trainer.run import Rows, UpdateStats, idle_rows  # the update's batching and statistics
 
 
 # ================================================================ the loop
@@ -44,63 +42,59 @@ def main(cfg: config.Config) -> dict:
         for step in run.steps():  # between steps: evaluations, checkpoints, signals
             K = run.schedule.max_turns(step)  # ScalingInter-RL: K grows stage by stage
             # ---- rollout: batch_size tasks x group_size samples each, up to K turns
-            t0 = time.time()
-            rcfg = RolloutConfig.of(cfg, K)
+            t0, rcfg = time.time(), RolloutConfig.of(cfg, K)
             item_ids, groups = run.tasks_for_step()
             policy = EnginePolicy(run.engine, run.fmt, rcfg, run.sample_gen)
             progress = run.progress(K)
 
             def play(items, groups):
-                with layer.generating(run):  # vLLM awake; under torchrun HF weights gathered
+                with generating(run):  # vLLM awake; under torchrun HF weights gathered
                     return rollout(policy, run.pool, cfg.env, items, groups, rcfg,
                                    fmt=run.fmt, agent=cfg.agent, progress=progress)
 
             trajs = play(item_ids, groups)
             # ---- which trajectories are trained on
-            played = ranks.all_gather_list(trajs)  # every rank's: for metrics and the log
-            m = layer.rollout_metrics(played, K)
-            n_played, errors = len(played), m["status_env_error"]
+            played = all_gather_list(trajs)  # every rank's: for metrics and the log
+            metrics = rollout_metrics(played, K)
+            n_played, errors = len(played), metrics["status_env_error"]
             # Too many env errors leave a biased sample (say, only the short episodes)
-            m["bad"] = errors > cfg.max_env_error_share * n_played
-            if not m["bad"]:  # a plateau schedule moves on when success stops improving
-                run.schedule.observe(step, m["success_rate"])
+            metrics["bad"] = errors > cfg.max_env_error_share * n_played
+            if not metrics["bad"]:  # a plateau schedule moves on when success stops improving
+                run.schedule.observe(step, metrics["success_rate"])
             if cfg.dynamic_sampling:  # tied groups carry no signal: more rounds replace them
-                trajs, extra = resample(run, trajs, play)
+                trajs, extra = resample(run, trajs, play, metrics)
                 played += extra
-                m["resampled_groups"] = len({t.group for t in extra})
-                m["trained_groups"] = len({t.group for t in trajs})
             kept = [t for t in trajs if t.status != "env_error"]  # an error is no reward
-            layer.log_rollout(run, step, K, played, m, time.time() - t0)
-            spoilt = m["bad"] or errors == n_played  # by env errors
-            trainable = not spoilt and (kept or ranks.world_size() > 1)
+            log_rollout(run, step, K, played, metrics, time.time() - t0)
+            spoilt = metrics["bad"] or errors == n_played  # by env errors
+            trainable = not spoilt and (kept or world_size() > 1)
             with run.critical():  # a signal here waits: never save half an update
                 t1 = time.time()
                 if trainable:  # under torchrun every rank takes part, with or without rows
                     run.show(f"update of {len(kept)} trajectories")
                     torch.set_num_threads(run.update_threads)  # the update makes no env call
-                    m["lr"] = set_lr(run, step)
+                    metrics["lr"] = set_lr(run, step)
                     # ---- the batch: one padded row per trajectory, micro-batched by length
-                    rows = layer.Rows(run, kept)
+                    rows = Rows(run, kept)
                     # ---- advantages: algos.ESTIMATORS[--algo], per sampled token
                     adv, returns, values = advantages(run, rows)
                     # ---- the update: ppo_epochs x mini-batches of the clipped loss
-                    m.update(update(run, rows, adv, returns, values))
-                guard(run, step, m)  # --max-update-kl: too far a move halves later rates
-                m["time_update_s"] = time.time() - t1
-                # ---- the sampler gets the weights (HF: has them, drops its KV cache)
-                seconds = run.engine.sync_weights(run.prec.model) if trainable else 0.0
-                m["time_sync_s"] = seconds  # what copying them took (no update: nothing new)
-                run.log(step, m)  # metrics.jsonl, reporters; a stop now saves this step
+                    metrics.update(update(run, rows, adv, returns, values))
+                guard(run, step, metrics)  # --max-update-kl: too far a move halves later rates
+                metrics["time_update_s"] = time.time() - t1
+                # ---- the sampler gets the weights (HF: has them, drops its KV cache), timed
+                sync_s = run.engine.sync_weights(run.prec.model) if trainable else 0.0
+                metrics["time_sync_s"] = sync_s  # no update: nothing new to copy
+                run.log(step, metrics)  # metrics.jsonl, reporters; a stop now saves this step
     return run.summary
 
 
-def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list[Trajectory]]:
-    """Dynamic sampling: tied groups carry no signal, so up to --max-resample more rounds of
-    play(items, groups) run until the update sees --batch-size informative groups (fewer if
-    the rounds run out). --resample fresh (DAPO): a fresh task under a new group id replaces a
-    tied group; extend: the tied group's own task --group-size more times under its id, so a
-    task solved 1 time in 8 still shows its win. Returns (those to train on, the extra ones).
-    One process only: trainer/config.py refuses --dynamic-sampling under torchrun."""
+def resample(run, trajs: list[Trajectory], play, metrics: dict) -> tuple[list, list]:
+    """Dynamic sampling (one process only): tied groups carry no signal, so up to --max-resample
+    more rounds of play(items, groups) run until --batch-size groups are informative. --resample
+    fresh (DAPO): a fresh task under a new group id replaces a tied group; extend: its own task
+    --group-size more times under its id (a task solved 1 time in 8 shows its win). Returns
+    (those to train on, the extra played); the counts into `metrics`."""
     cfg = run.cfg
     keep = informative_groups(trajs)
     kept = [t for t in trajs if t.group in keep]
@@ -124,6 +118,8 @@ def resample(run, trajs: list[Trajectory], play) -> tuple[list[Trajectory], list
         kept += [t for t in grown if t.group in keep]
         if cfg.resample == "extend":
             tied = {t.group: t.item_id for t in grown if t.group not in keep}
+    metrics["resampled_groups"] = len({t.group for t in extra})
+    metrics["trained_groups"] = len({t.group for t in kept})
     return kept, extra
 
 
@@ -152,47 +148,46 @@ def lr_at(step: int, steps: int, decay: str, warmup: int = 0) -> float:
     return ramp
 
 
-def guard(run, step: int, m: dict) -> None:
+def guard(run, step: int, metrics: dict) -> None:
     """--max-update-kl: a step whose update moved the policy past the bound (update_kl) halves
     the learning rate of every step after it (run.lr_scale, kept in checkpoints)."""
-    bound = run.cfg.max_update_kl
-    if bound and m.get("update_kl") is not None and m["update_kl"] > bound:
+    bound, kl = run.cfg.max_update_kl, metrics.get("update_kl")
+    if bound and kl is not None and kl > bound:
         run.lr_scale *= 0.5
-        tqdm.write(f"step {step}: update_kl {m['update_kl']:.2e} > --max-update-kl "
-                   f"{bound:g}: learning rate halved to {run.lr_scale:g} x the schedule's "
-                   f"from step {step + 1}")
-    m["lr_scale"] = run.lr_scale
+        tqdm.write(f"step {step}: update_kl {kl:.2e} > --max-update-kl {bound:g}: learning rate "
+                   f"halved to {run.lr_scale:g} x the schedule's from step {step + 1}")
+    metrics["lr_scale"] = run.lr_scale
 
 
 # ================================================================ one update
-def advantages(run, rows: layer.Rows) -> tuple:
+def advantages(run, rows: Rows) -> tuple:
     """(advantages, returns, values), each (rows, T-1) on sampled tokens, by --algo.
     Whitening sees every rank's tokens (global_whiten), as one process with all rows would."""
     cfg, batch, trajs = run.cfg, rows.batch, rows.trajs
     mask = batch["loss_mask"][:, 1:]  # token t+1's at t, where its logits are
-    est = algos.estimator(cfg.algo)
+    estimator = algos.estimator(cfg.algo)
     values = None
-    if est.critic:  # V of the prefix that produced token t+1
+    if estimator.critic:  # V of the prefix that produced token t+1
         values = rows.passes(lambda mb, mb_mask: run.critic(**mb)[:, :-1])
     keys = [turn_state_keys(t) for t in trajs] if cfg.algo == "gigpo" else None
-    x = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, cfg.gamma,
-                              cfg.lam, whiten=ranks.global_whiten,
+    inputs = algos.AdvantageInputs(batch["rewards"], batch["group_ids"], mask, values, cfg.gamma,
+                              cfg.lam, whiten=global_whiten,
                               turn_ids=batch["turn_ids"][:, 1:],  # shifted as the mask
                               state_keys=keys, turn_rewards=[t.turn_rewards for t in trajs],
                               step_adv_weight=cfg.step_adv_weight)
-    adv, returns = est.fn(x)
+    adv, returns = estimator.fn(inputs)
     return adv, returns, values
 
 
-def update(run, rows: layer.Rows, adv, returns, values) -> dict:
+def update(run, rows: Rows, adv, returns, values) -> dict:
     """`ppo_epochs` passes of the clipped loss over mini-batches, micro-batched by length;
     under torchrun, one process's update on every rank's rows: each micro-batch's loss weighs
     its share (`micro_weight`), and a rank short of micro-batches runs blank ones (FSDP)."""
-    cfg, world, B = run.cfg, ranks.world_size(), rows.B
+    cfg, world, B = run.cfg, world_size(), rows.B
     # Token t+1's mask and sampler log-prob sit at t, where the logits that produced it are
     mask = rows.batch["loss_mask"][:, 1:]  # (rows, T-1): B, and torchrun's blank row
     sampler_lp = rows.batch["old_logprobs"][:, 1:]
-    idle = layer.idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: skipped
+    idle = idle_rows(run, adv, mask, B)  # all-0 advantages, no KL/entropy: skipped
     ref_lp = None if run.ref is None else logprobs(run, run.ref, rows)  # the initial policy's
     # The PPO ratio's denominator: the sampler's own log-probs where they are the trainer's
     # numbers, in fp32 (HF 9e-6 apart a token, vLLM 3.4e-6: bench/sampler_gap.py); else the
@@ -204,14 +199,14 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
     tis = None if cfg.tis_cap is None else algos.tis_weights(old_lp, sampler_lp, cfg.tis_cap)
     targets = {"adv": adv, "old_lp": old_lp, "sampler_lp": sampler_lp, "ref_lp": ref_lp,
                "tis": tis, "values": values, "returns": returns}
-    stats = layer.UpdateStats()
-    mbs = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # rows per rank
-    n_minis = ranks.all_max(-(-B // mbs))
+    stats = UpdateStats()
+    per_mini = cfg.mini_batch_size // world if cfg.mini_batch_size else max(B, 1)  # this rank's
+    n_minis = all_max(-(-B // per_mini))
     for epoch in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=run.update_gen).tolist()
         for s in range(n_minis):
-            mini = perm[s * mbs:(s + 1) * mbs]  # empty on a rank with fewer trajectories
-            (loss_norm,) = ranks.all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
+            mini = perm[s * per_mini:(s + 1) * per_mini]  # empty on a rank with fewer trajectories
+            (loss_norm,) = all_sum([algos.agg_denominator(mask[mini], cfg.loss_agg)])
             for o in run.optims.values():
                 o.zero_grad(set_to_none=True)
             stats.first = epoch == 0 and s == 0  # no optimizer step yet
@@ -228,67 +223,75 @@ def update(run, rows: layer.Rows, adv, returns, values) -> dict:
                 for o in run.optims.values():
                     o.step()
             run.prec.sync()  # the bf16 copy from the new fp32 master weights (fp32: nothing)
-    m = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
-    m["update_kl"] = update_kl(run, rows, idle, stats.before)  # for the guard
-    return m
+    metrics = stats.metrics(run, cfg.ppo_epochs * n_minis, len(idle))
+    metrics["update_kl"] = update_kl(run, rows, idle, stats.before)  # for the guard
+    return metrics
 
 
-def logprobs(run, model, rows: layer.Rows, skip=frozenset()) -> torch.Tensor:
+def logprobs(run, model, rows: Rows, skip=frozenset()) -> torch.Tensor:
     """`model`'s log-probs of the rows' tokens, (rows, T-1), no gradients (0 on `skip`)."""
     t = run.cfg.temperature
-    return rows.passes(lambda mb, m: token_logprobs(model, mb, t, mask=m)[0], skip)
+    return rows.passes(lambda mb, mask: algos.token_logprobs(model, mb, t, mask=mask)[0], skip)
 
 
 def micro_step(run, rows, targets: dict, idx: list[int], loss_norm: float, stats):
-    """Forward and backward of a micro-batch (rows `idx`): the clipped policy loss, the
-    entropy bonus, the KL to the reference, the critic's value loss; statistics to `stats`."""
-    cfg, world = run.cfg, ranks.world_size()
+    """Forward and backward of a micro-batch (rows `idx`): the clipped policy loss and the
+    entropy bonus (and the options' terms: `option_terms`); statistics to `stats`."""
+    cfg, world = run.cfg, world_size()
     mb, mb_mask = rows.cut(idx)  # cut to the longest row: no column of padding only
-    cut = {k: None if v is None else v[idx, :mb_mask.shape[1]] for k, v in targets.items()}
-    w = micro_weight(mb_mask, loss_norm, cfg.loss_agg, world)  # its share of the loss
-    lp, ent = token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask,
+    mine = {k: None if v is None else v[idx, :mb_mask.shape[1]] for k, v in targets.items()}
+    weight = micro_weight(mb_mask, loss_norm, cfg.loss_agg, world)  # its share of the loss
+    lp, ent = algos.token_logprobs(run.prec.model, mb, cfg.temperature, mask=mb_mask,
                              with_entropy=True)
-    loss, pst = algos.policy_loss(lp, cut["old_lp"], cut["adv"], mb_mask, cfg.clip_low,
-                                  cfg.clip_high, cfg.dual_clip, cfg.loss_agg, cut["tis"])
+    loss, clip_stats = algos.policy_loss(lp, mine["old_lp"], mine["adv"], mb_mask, cfg.clip_low,
+                                         cfg.clip_high, cfg.dual_clip, cfg.loss_agg, mine["tis"])
     entropy = algos.agg_loss(ent, mb_mask, cfg.loss_agg)
     loss = loss - cfg.entropy_coef * entropy
-    kl = None  # no reference: no KL term
-    if cut["ref_lp"] is not None:
-        kl_tokens = algos.kl_penalty(lp, cut["ref_lp"], cfg.kl_kind)
-        kl = algos.agg_loss(kl_tokens, mb_mask, cfg.loss_agg)
-        loss = loss + cfg.kl_coef * kl
-    vloss = None
-    if run.critic is not None:
-        vloss, _ = algos.value_loss(run.critic(**mb)[:, :-1], cut["values"], cut["returns"],
-                                    mb_mask, cfg.value_clip, cfg.loss_agg)
-        (w * vloss).backward()
-    (w * loss).backward()
+    terms = {"entropy": entropy}
+    if run.ref is not None or run.critic is not None:  # --kl-coef, --algo ppo
+        loss = option_terms(run, mb, mb_mask, lp, mine, weight, loss, terms)
+    (weight * loss).backward()
     run.prec.collect_grads()  # bf16 gradients into the fp32 master's, each micro-batch
-    terms = {"loss": loss, "entropy": entropy, "kl": kl, "value_loss": vloss}
-    stats.add(rows, idx, share=w / world, terms=terms, clip=pst, lp=lp.detach(), mask=mb_mask,
-              sampler_lp=cut["sampler_lp"])
+    stats.add(rows, idx, share=weight / world, terms={"loss": loss, **terms}, clip=clip_stats,
+              lp=lp.detach(), mask=mb_mask, sampler_lp=mine["sampler_lp"])
+
+
+def option_terms(run, mb, mask, lp, mine: dict, weight: float, loss, terms: dict):
+    """The terms off by default: the KL to the reference (--kl-coef), added to the loss it
+    returns; the critic's value loss (--algo ppo), its own backward here. Both into `terms`."""
+    cfg = run.cfg
+    if mine["ref_lp"] is not None:
+        kl_tokens = algos.kl_penalty(lp, mine["ref_lp"], cfg.kl_kind)
+        terms["kl"] = algos.agg_loss(kl_tokens, mask, cfg.loss_agg)
+        loss = loss + cfg.kl_coef * terms["kl"]
+    if run.critic is not None:
+        values = run.critic(**mb)[:, :-1]
+        terms["value_loss"] = algos.value_loss(values, mine["values"], mine["returns"], mask,
+                                                  cfg.value_clip, cfg.loss_agg)
+        (weight * terms["value_loss"]).backward()
+    return loss
 
 
 def micro_weight(mask_micro, loss_norm: float, mode: str, world: int = 1) -> float:
-    """A micro-batch's loss weight, world * agg_denominator(micro) / loss_norm (the
-    mini-batch's agg_denominator over all ranks): the accumulated gradients are the mini-batch
-    loss's in every --loss-agg mode; `world` undoes FSDP's average over ranks."""
+    """A micro-batch's loss weight, world * agg_denominator(micro) / loss_norm (the mini-batch's
+    over all ranks): the gradients add up to the mini-batch loss's in every --loss-agg mode;
+    `world` undoes FSDP's average over ranks."""
     return world * algos.agg_denominator(mask_micro, mode) / max(loss_norm, 1.0)
 
 
-def update_kl(run, rows: layer.Rows, idle: set[int], before: list) -> float | None:
+def update_kl(run, rows: Rows, idle: set[int], before: list) -> float | None:
     """How far the update moved the policy: k3 KL(before || after) per sampled token of the
     first mini-batch's moving rows (before: its first passes; after: one more forward)."""
     kl_sum, tokens = 0.0, 0.0
     moves = torch.tensor([i not in idle for i in range(len(rows.trajs))], device=run.device)
     for idx, lp_before in before:  # as many on every rank: FSDP's forward is a collective
-        mb, m = rows.cut(idx)
+        mb, mask = rows.cut(idx)
         with torch.no_grad():
-            lp_after, _ = token_logprobs(run.prec.model, mb, run.cfg.temperature, mask=m)
-        sel = (m > 0) & moves[idx][:, None]
+            lp_after, _ = algos.token_logprobs(run.prec.model, mb, run.cfg.temperature, mask=mask)
+        sel = (mask > 0) & moves[idx][:, None]
         kl_sum += float(algos.kl_penalty(lp_before, lp_after, "k3", None)[sel].sum())
         tokens += float(sel.sum())
-    kl_sum, tokens = ranks.all_sum([kl_sum, tokens])
+    kl_sum, tokens = all_sum([kl_sum, tokens])
     return kl_sum / tokens if tokens else None  # None: the first mini-batch was all idle
 
 

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import models.builtin as models  # noqa: E402
 from models import policy  # noqa: E402
 from hf_engine import HFEngine  # noqa: E402
-from trainer.distributed import Precision  # noqa: E402
+from distributed import Precision  # noqa: E402
 from env_server.agents import opening_messages  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from rollout import ChatFormat  # noqa: E402

@@ -48,7 +48,7 @@ from trainer import setup as run_setup  # noqa: E402
 from trainer.setup import update_run  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 from models.builtin import resolve  # noqa: E402
-from trainer.distributed import Precision  # noqa: E402
+from distributed import Precision  # noqa: E402
 from models.policy import (load_model, load_tokenizer, pad_id,  # noqa: E402
                            token_logprobs)
 from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
@@ -166,7 +166,7 @@ def main() -> None:
         lr = train.set_lr(run, a.step)
         before = probe_nll(prec.model, probe, pad, cfg.temperature)
         t0 = time.time()
-        rows = train.layer.Rows(run, trajs)
+        rows = train.Rows(run, trajs)
         m = train.update(run, rows, *train.advantages(run, rows))
         seconds = time.time() - t0
         after = probe_nll(prec.model, probe, pad, cfg.temperature)

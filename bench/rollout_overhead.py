@@ -83,7 +83,7 @@ def main() -> None:
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-6)}
     t1 = time.perf_counter()
     run = update_run(cfg, model, optims, pad=pad_id(tok))
-    rows = train.layer.Rows(run, trajs)  # what the update reads of a run
+    rows = train.Rows(run, trajs)  # what the update reads of a run
     m = train.update(run, rows, *train.advantages(run, rows))
     dt = time.perf_counter() - t1
     if m["padding_share"] is None:  # every advantage 0, no KL or entropy term: none forwarded

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from algos import INPUTS  # noqa: E402
 from models.builtin import resolve  # noqa: E402
-from trainer.distributed import Precision  # noqa: E402
+from distributed import Precision  # noqa: E402
 from models.policy import (load_model, load_tokenizer,  # noqa: E402
                            pad_id, resolve_dtype, token_logprobs)
 from recipes.sft import load_log  # noqa: E402

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from env_client import EnvError, EnvPool, Step, Transport  # noqa: E402
-from trainer.tasks import task_splits  # noqa: E402
+from tasks import task_splits  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
 
 # Besides the expert's moves: random actions that succeed, fail inside the game, or are junk the

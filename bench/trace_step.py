@@ -3,13 +3,14 @@ r"""The path a reader walks: every project function that runs in one training st
     python bench/trace_step.py                      # the README's Corridor command, 3 steps
     python bench/trace_step.py --step 2 -- --model smollm2-135m-sft --env textcraft --steps 2 ...
 
-train.py runs in this process under `sys.settrace` (Python's own tracer: no line events, one call
-event per frame), and every call into a project file while train.main's `step` is the traced step
-is recorded: the rollout and the env client's worker threads included, the env server (another
-process) not. A function counts with every line of its definition, decorators and docstring
-included; a nested function, comprehension or lambda counts inside the function it is written in.
-Printed: lines and functions per file, the total, and the deepest chain of project functions on one
-thread's stack (train.main is 1); and the same for the reading files alone (READING: the
+train.py runs in this process under `sys.settrace` (Python's own tracer), and every call into a
+project file while train.main's `step` is the traced step is recorded: the rollout and the env
+client's worker threads included, the env server (another process) not. A function counts with
+every line of its definition, decorators and docstring included; a nested function,
+comprehension or lambda counts inside the function it is written in. Beside them, the lines that
+ran (executed: the distinct lines of those calls with a line event, so neither a docstring nor a
+branch not taken). Printed: both per file, the total, and the deepest chain of project functions
+on one thread's stack (train.main is 1); and the same for the reading files alone (READING: the
 algorithm's own files), their chain counting only their own functions. tests/test_trace_step.py
 holds both tiers' budgets on the README's command.
 """
@@ -88,6 +89,12 @@ class Tracer:
         self.deepest: list[str] = []
         self.deepest_reading: list[str] = []
         self.main_code = None
+        self.executed: set[tuple] = set()  # (path, line) of every line run in the step
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.executed.add((frame.f_code.co_filename, frame.f_lineno))
+        return self._line
 
     def _chain(self, frame) -> list[str]:
         chain, last = [], None
@@ -119,19 +126,25 @@ class Tracer:
             reading = [c for c in chain if c.rsplit(":", 1)[0] in READING]
             if len(reading) > len(self.deepest_reading):
                 self.deepest_reading = reading
+            return self._line  # its lines, as they run
         return None
 
 
 def report(tracer: Tracer) -> dict:
     """{"files": {file: (lines, functions)}, "lines", "functions", "depth", "chain", "units":
     ["file:first-last name", ...]}."""
-    per_file: dict = defaultdict(lambda: [0, 0])
+    per_file: dict = defaultdict(lambda: [0, 0, 0])
     for path, first, last, _ in tracer.seen:
         rel = os.path.relpath(path, ROOT)
         per_file[rel][0] += last - first + 1
         per_file[rel][1] += 1
+    for path, _ in tracer.executed:
+        if is_project(path):
+            per_file[os.path.relpath(path, ROOT)][2] += 1
     files = dict(sorted(per_file.items(), key=lambda kv: -kv[1][0]))
     return {"files": {k: tuple(v) for k, v in files.items()},
+            "executed": sum(v[2] for v in files.values()),
+            "reading_executed": sum(v[2] for k, v in files.items() if k in READING),
             "lines": sum(v[0] for v in files.values()),
             "functions": sum(v[1] for v in files.values()),
             "depth": len(tracer.deepest), "chain": tracer.deepest,
@@ -167,13 +180,15 @@ def trace(argv: list[str], step: int = 2) -> dict:
 
 def show(r: dict) -> None:
     w = max(len(f) for f in r["files"])
-    print(f"{'file':{w}}  lines  functions")
-    for f, (lines, n) in r["files"].items():
-        print(f"{f:{w}}  {lines:5d}  {n:9d}")
-    print(f"{'total':{w}}  {r['lines']:5d}  {r['functions']:9d}   in {len(r['files'])} files")
+    print(f"{'file':{w}}  lines  functions  executed")
+    for f, (lines, n, ran) in r["files"].items():
+        print(f"{f:{w}}  {lines:5d}  {n:9d}  {ran:8d}")
+    print(f"{'total':{w}}  {r['lines']:5d}  {r['functions']:9d}  {r['executed']:8d}   in "
+          f"{len(r['files'])} files")
     print(f"deepest chain ({r['depth']}): " + " -> ".join(r["chain"]))
-    print(f"the reading files ({', '.join(READING)}): {r['reading_lines']} lines; deepest chain "
-          f"within them ({r['reading_depth']}): " + " -> ".join(r["reading_chain"]))
+    print(f"the reading files ({', '.join(READING)}): {r['reading_lines']} lines "
+          f"({r['reading_executed']} executed); deepest chain within them ({r['reading_depth']}): "
+          + " -> ".join(r["reading_chain"]))
 
 
 def main() -> None:

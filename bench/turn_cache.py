@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import models.builtin as models  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 from env_client import EnvPool  # noqa: E402
-from trainer.tasks import spread  # noqa: E402
+from tasks import spread  # noqa: E402
 from env_server import get_env_class  # noqa: E402
 from env_server.process import ServerProcess  # noqa: E402
 from hf_engine import HFEngine  # noqa: E402

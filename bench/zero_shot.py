@@ -52,7 +52,7 @@ def spread_test_ids(env: str, k: int, path: str) -> None:
     """The first k of the test split spread evenly (as train.py's held-out evaluation picks
     them)."""
     sys.path.insert(0, ROOT)
-    from trainer.tasks import spread
+    from tasks import spread
     from env_server import get_env_class
 
     cls = get_env_class(env)

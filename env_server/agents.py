@@ -311,10 +311,10 @@ def registered_here(name: str) -> bool:
 ACK = "OK. I will follow these instructions."
 
 
-def opening_messages(env: str, first_observation: str) -> list[dict]:
-    """Instruction turn, the assistant's acknowledgement, then the env's first observation (as
-    upstream)."""
-    return [{"role": "user", "content": _part(env, "instructions")},
+def opening_messages(env: str, first_observation: str, instructions: str = "") -> list[dict]:
+    """Instruction turn (the game's, or `instructions` where given), the assistant's
+    acknowledgement, then the env's first observation (as upstream)."""
+    return [{"role": "user", "content": instructions or _part(env, "instructions")},
             {"role": "assistant", "content": ACK},
             {"role": "user", "content": first_observation}]
 
@@ -368,10 +368,10 @@ class React:
 
     def __init__(self, env: str, max_turns: int):
         self.env, self.max_turns = env, max_turns
-        self.parse = _part(env, "parse_action")
+        self.parse, self.instructions = _part(env, "parse_action"), _part(env, "instructions")
 
     def opening(self, first_observation: str) -> list[dict]:
-        return opening_messages(self.env, first_observation)
+        return opening_messages(self.env, first_observation, self.instructions)
 
     def act(self, reply: str) -> Move:
         parsed = self.parse(reply)
@@ -405,7 +405,7 @@ class Plan(React):
         self.planned = False
 
     def opening(self, first_observation: str) -> list[dict]:
-        return opening_messages(self.env, f"{first_observation}\n\n{PLAN_ASK}")
+        return opening_messages(self.env, f"{first_observation}\n\n{PLAN_ASK}", self.instructions)
 
     def act(self, reply: str) -> Move:
         if not self.planned:

@@ -8,7 +8,7 @@ name) is models/builtin.py.
   its eos.
 - `load_model`: an HF causal LM on a device, in float32 unless asked otherwise.
 - `resolve_dtype`: --dtype auto|fp32|bf16 (with bf16 a copy computes while the optimizer keeps
-  the fp32 master weights: trainer/run.py's `Precision`).
+  the fp32 master weights: distributed.py's `Precision`).
 - `Critic`: a value head on a copy of the policy's transformer body (PPO).
 - `token_logprobs`: algos.token_logprobs (the trainer's log-probs) for the recipes and bench.
 - `shard_model`: FSDP2 sharding under torchrun.
@@ -21,7 +21,7 @@ import types
 import torch
 
 import algos
-from trainer.distributed import world_size
+from distributed import world_size
 
 
 def load_tokenizer(path: str):

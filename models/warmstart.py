@@ -39,13 +39,13 @@ import torch
 from tqdm import tqdm
 
 from algos import INPUTS
+from distributed import Precision
 from env_server.agents import GUESS_THOUGHT, STALL_THOUGHT, opens_by_guessing, react_reply
 from env_client import Step
-from trainer.tasks import spread
 from models.policy import load_model, load_tokenizer, pad_id, token_logprobs
-from trainer.distributed import Precision
 from rollout import (ChatFormat, RandomPolicy, Reply, RolloutConfig, Trajectory, build_batch,
                      is_success, length_buckets, rollout)
+from tasks import spread
 
 
 # ---------------------------------------------------------------- expert data
@@ -218,7 +218,7 @@ def sft(model, tokenizer, trajectories: list[Trajectory], epochs: int = 3, lr: f
     replies and their end-of-turn tokens), AdamW, `batch_size` trajectories per optimizer
     step, micro-batched by length, with a warm-up + cosine learning-rate schedule. `model`
     holds fp32 weights; with `dtype` bf16 the forward and backward run on a bf16 copy
-    (trainer.distributed.Precision). Returns the mean loss of each epoch (measured on the fly,
+    (distributed.Precision). Returns the mean loss of each epoch (measured on the fly,
     before each step's update)."""
     assert trajectories, "sft needs at least one trajectory"
     device = next(model.parameters()).device

@@ -328,10 +328,10 @@ def plan(a, job: Job, held_out: str) -> str:
 
 def held_out_tasks(a) -> str:
     """OUT/held_out_tasks.json: the test tasks train.py evaluates on (--eval-tasks spread over the
-    test split, trainer.tasks.spread), for eval.py's --tasks-file; '' when the split is empty."""
+    test split, tasks.spread), for eval.py's --tasks-file; '' when the split is empty."""
     from env_server.process import serving
     from trainer.cli import task_lists
-    from trainer.tasks import spread
+    from tasks import spread
 
     c, path = a.cfg, os.path.join(a.out, "held_out_tasks.json")
     with serving(c.env, c.env_addr) as (url, _):

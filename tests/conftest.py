@@ -192,7 +192,7 @@ def train_update(run, trajs):
     clipped update over epochs and mini-batches; returns the update's metrics."""
     import train
 
-    rows = train.layer.Rows(run, trajs)
+    rows = train.Rows(run, trajs)
     return train.update(run, rows, *train.advantages(run, rows))
 
 

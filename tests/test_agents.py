@@ -14,7 +14,7 @@ from env_server.agents import (ONE_ACTION_ERROR, PLAN_ASK, PLAN_GO, REFLECT_ASK,
                                make_agent, parse_action, parse_last_action, parse_search_answer,
                                parse_thought_action)
 from env_client import EnvPool
-from trainer.tasks import item_id, read_tasks_file, task_splits
+from tasks import item_id, read_tasks_file, task_splits
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
 from rollout import ChatFormat, EnginePolicy, RolloutConfig, rollout

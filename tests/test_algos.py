@@ -323,10 +323,9 @@ def test_value_loss_by_hand():
     # token 1: V_clip = 0.5 + 0.2 = 0.7; max((1-2)^2, (0.7-2)^2) = 1.69 -> 0.845 (clipped binds)
     # token 2: V_clip = 1.0 (inside the range); both errors 1 -> 0.5
     v = T_([[1.0, 1.0]], requires_grad=True)
-    loss, stats = algos.value_loss(v, T_([[0.5, 0.9]]), T_([[2.0, 0.0]]), torch.ones(1, 2),
-                                   clip=0.2, agg="token_mean")
-    assert (close(loss, (0.845 + 0.5) / 2) and stats["clip_frac"] == 0.5
-            and close(stats["values_mean"], 1.0))
+    loss = algos.value_loss(v, T_([[0.5, 0.9]]), T_([[2.0, 0.0]]), torch.ones(1, 2), clip=0.2,
+                            agg="token_mean")
+    assert close(loss, (0.845 + 0.5) / 2)
     loss.backward()
     # clipped term is constant in V; the other: (V - R) / 2 tokens
     assert close(v.grad, [[0.0, 0.5]])

@@ -54,7 +54,7 @@ def test_batch_size_must_divide_among_ranks(monkeypatch, capsys):
 def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     """torchrun --nproc-per-node 2 on a one-GPU node with --device auto/cuda: a line naming the fix,
     before NCCL fails deep in init_process_group (it did on a real H100)."""
-    from trainer.distributed import init_distributed
+    from distributed import init_distributed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "1"),

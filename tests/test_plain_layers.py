@@ -44,7 +44,7 @@ def one_update(model):
                             "--mini-batch-size", "8", "--ppo-epochs", "2", "--dtype", "fp32"])
     optims = {"policy": torch.optim.AdamW(model.parameters(), lr=1e-3)}
     run = update_run(cfg, model, optims)
-    rows = train.layer.Rows(run, trajectories())
+    rows = train.Rows(run, trajectories())
     return train.update(run, rows, *train.advantages(run, rows))
 
 
@@ -83,6 +83,16 @@ def test_the_update_statistics_do_not_depend_on_the_passes(monkeypatch):
         assert alone[key] == pytest.approx(bucketed[key], rel=1e-6, abs=1e-9), key
 
 
+def train_run(flags: list[str], out):
+    """train.py with `flags` into `out`, the thread count it sets put back after."""
+    threads = torch.get_num_threads()
+    try:
+        train.main(train.parse_args([*flags, "--out", str(out)]))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def test_a_corridor_step_with_every_plain_boundary_trains_the_same(tmp_path, monkeypatch):
     """Two steps of the README's Corridor command (both train: 8 groups of 8 at chance level never
     all tie) with the fast layers, then with every one plain: the sampler (a growing cache, every
@@ -99,14 +109,9 @@ def test_a_corridor_step_with_every_plain_boundary_trains_the_same(tmp_path, mon
     flags = ["--env", "corridor", "--schedule", "8", "--steps", "2", "--batch-size", "8",
              "--group-size", "8", "--max-new-tokens", "4", "--lr", "1e-3", "--eval-every", "0",
              "--threads", "1", "--dtype", "fp32", "--cache-dir", str(tmp_path / "cache")]
-    threads = torch.get_num_threads()
 
     def run(name):
-        out = tmp_path / name
-        try:
-            train.main(train.parse_args([*flags, "--out", str(out)]))
-        finally:
-            torch.set_num_threads(threads)
+        out = train_run(flags, tmp_path / name)
         metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
         rows = [[json.loads(x) for x in open(out / "rollouts" / f"step_{s:06d}.jsonl")]
                 for s in (1, 2)]
@@ -137,3 +142,49 @@ def test_a_corridor_step_with_every_plain_boundary_trains_the_same(tmp_path, mon
     # where a gradient is near 0
     for k, v in fast[2].items():
         assert (v - plain[2][k]).abs().max() < 1e-5, k
+
+
+def test_a_plain_run_layer_trains_the_same(tmp_path, monkeypatch):
+    """The run layer at its plainest: the steps a bare range (no evaluation, checkpoint, env-error
+    rule or signal between them), the critical section a bare block, the metrics line appended.
+    Two steps of the README's Corridor command, the real layer evaluating and saving after each:
+    the same trajectories and every metric of the step the same, to the bit (the layer draws on
+    no generator the step uses)."""
+    import contextlib
+    import os
+    import time
+
+    flags = ["--env", "corridor", "--schedule", "8", "--steps", "2", "--batch-size", "8",
+             "--group-size", "8", "--max-new-tokens", "4", "--lr", "1e-3", "--eval-every", "1",
+             "--eval-samples", "2", "--save-every", "1", "--threads", "1",
+             "--cache-dir", str(tmp_path / "cache")]
+
+    def run(name):
+        out = train_run(flags, tmp_path / name)
+        timed = ("time_", "tokens_per_s", "first_error")
+        metrics = [{k: v for k, v in json.loads(x).items() if not k.startswith(timed)}
+                   for x in open(out / "metrics.jsonl")]
+        rows = [open(out / "rollouts" / f"step_{s:06d}.jsonl").read() for s in (1, 2)]
+        return metrics, rows, os.path.exists(out / "eval.jsonl")
+
+    real = run("real")
+
+    def steps(self):
+        self.t_start = time.time()
+        yield from range(1, self.cfg.steps + 1)
+
+    def log(self, step: int, m: dict) -> None:
+        m.update(step=step, skipped_update=int("loss" not in m))
+        m.pop("bad")
+        with open(os.path.join(self.cfg.out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        self.last = m
+
+    monkeypatch.setattr(trainer.run.Run, "steps", steps)
+    monkeypatch.setattr(trainer.run.Run, "critical", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(trainer.run.Run, "log", log)
+    plain = run("plain")
+    assert real[2] and not plain[2]  # the real layer evaluated between the steps; the plain not
+    assert all(m["groups_informative"] > 0 and not m["skipped_update"] for m in real[0])
+    assert real[1] == plain[1]
+    assert real[0] == plain[0]

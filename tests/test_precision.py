@@ -1,4 +1,4 @@
-"""bf16 compute with fp32 master weights (trainer.distributed.Precision), --dtype, and the update's
+"""bf16 compute with fp32 master weights (distributed.Precision), --dtype, and the update's
 skip of rows without signal: the skip gives the update that computing those rows gives, the bf16
 copy's gradients land in the fp32 master without rounding small updates away, and sampler and
 trainer agree in bf16."""
@@ -15,7 +15,7 @@ from test_distributed import fixed_trajectories
 
 from models import policy
 import train
-from trainer.distributed import Precision
+from distributed import Precision
 from trainer.setup import update_run
 from engines import HFEngine
 from models.tiny import build_model
@@ -61,7 +61,7 @@ def test_rows_without_signal_are_skipped_with_the_same_update(flags, optim, monk
         model = copy.deepcopy(base)
         run = run_of(flags, model, optim=optim)
         if mode == "all":
-            monkeypatch.setattr(train.layer, "idle_rows", lambda *a: set())
+            monkeypatch.setattr(train, "idle_rows", lambda *a: set())
 
         def counting(run_, rows, targets, idx, *a, _mode=mode, **kw):
             forwarded[_mode] += len(idx)
@@ -99,8 +99,8 @@ def test_old_logprobs_are_recomputed_only_where_sampler_and_trainer_differ(kind,
            else run_of(flags, copy.deepcopy(base), dtype=dtype))
     run.engine_kind = kind
     passes = []
-    real = train.layer.Rows.passes
-    monkeypatch.setattr(train.layer.Rows, "passes", lambda self, fn, skip=frozenset():
+    real = train.Rows.passes
+    monkeypatch.setattr(train.Rows, "passes", lambda self, fn, skip=frozenset():
                         passes.append(1) or real(self, fn, skip))
     train_update(run, fixed_trajectories(base))
     assert bool(passes) == recomputed

@@ -17,8 +17,9 @@ from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
 from rollout import length_buckets
 from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success,
-                     rollout, write_log)
+                     rollout)
 import train
+from trainer.run import write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURES = os.environ.get("TOKENIZER_FIXTURES",
@@ -268,12 +269,13 @@ def test_statuses_and_env_errors(textcraft_url):
 
 
 def test_outcomes_leave_env_errors_out_of_the_rates():
-    """An env error is no outcome of the policy's: rollout.outcomes (training's metrics, eval.py)
-    counts it among the statuses and as an env error, and leaves it out of every rate. By hand,
-    over the three episodes without one: 2 of 3 succeed, in 3 and 5 turns; 1 of 3 opens with a
-    guess (the env error's guess is not counted)."""
+    """An env error is no outcome of the policy's: trainer.run.outcomes (training's metrics,
+    eval.py) counts it among the statuses and as an env error, and leaves it out of every rate.
+    By hand, over the three episodes without one: 2 of 3 succeed, in 3 and 5 turns; 1 of 3 opens
+    with a guess (the env error's guess is not counted)."""
     from env_server.agents import GUESS_THOUGHT, opening_messages, react_reply
-    from rollout import Trajectory, outcomes
+    from rollout import Trajectory
+    from trainer.run import outcomes
 
     def episode(status, reward, turns, thought=None):
         msgs = opening_messages("corridor", "You are at 3.") + [
@@ -501,7 +503,8 @@ def test_a_partial_score_at_the_horizon_is_no_success_anywhere():
     """An episode cut at K with a partial score above 0 (SciWorld gives them) is no success: not
     for rollout.is_success, not in outcomes' success rate, not in eval.py's Pass@n."""
     import eval as ev
-    from rollout import Trajectory, is_success, outcomes
+    from rollout import Trajectory, is_success
+    from trainer.run import outcomes
 
     cut = Trajectory("sciworld", 7, 0, [], [], [], [], status="max_turns", reward=0.35)
     won = Trajectory("sciworld", 7, 0, [], [], [], [], status="done", reward=1.0)

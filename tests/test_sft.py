@@ -16,7 +16,8 @@ from models import warmstart
 from env_server.app import serve_in_thread
 from env_server.corridor import CorridorEnv
 from env_server.agents import opens_by_guessing, react_reply
-from rollout import ChatFormat, RolloutConfig, Trajectory, is_success, write_log
+from rollout import ChatFormat, RolloutConfig, Trajectory, is_success
+from trainer.run import write_log
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

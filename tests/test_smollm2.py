@@ -17,7 +17,7 @@ import models.builtin as models
 from models import policy
 from engines import HFEngine
 from rollout import ChatFormat
-from trainer.distributed import Precision
+from distributed import Precision
 
 CACHE = os.environ.get("AGENTGYM_CACHE",
                        os.path.join(os.path.expanduser("~"), ".cache", "agentgym-rl-mini"))

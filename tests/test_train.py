@@ -20,7 +20,7 @@ from hf_engine import HFEngine
 from trainer import run as run_layer
 from trainer.setup import update_run
 from models import warmstart
-from trainer.tasks import spread
+from tasks import spread
 
 TINY = ["--env", "corridor", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4",
         "--threads", "1", "--eval-every", "0"]

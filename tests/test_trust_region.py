@@ -105,7 +105,7 @@ def test_dynamic_sampling_replaces_tied_groups_within_its_bound():
 
     first = [traj(0, 1.0), traj(0, 1.0), traj(1, 0.0), traj(1, 1.0), traj(2, 0.0), traj(2, 0.0),
              traj(3, 1.0), traj(3, 0.0)]  # groups 1 and 3 informative
-    kept, extra = train.resample(run, first, play_groups)
+    kept, extra = train.resample(run, first, play_groups, {})
     # round 1: 2 fresh groups, 5 informative; round 2: 1 more, tied; bound reached
     assert played == [[4, 5], [6]]
     assert {t.group for t in kept} == {1, 3, 5} and {t.group for t in extra} == {4, 5, 6}
@@ -123,7 +123,7 @@ def test_dynamic_sampling_stops_after_max_resample_rounds():
         return [traj(g, 0.0, item) for item, g in zip(item_ids, groups)]
 
     kept, extra = train.resample(run, [traj(0, 0.0), traj(0, 1.0)]
-                                     + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)], all_tied)
+                                     + [traj(g, 0.0) for g in (1, 1, 2, 2, 3, 3)], all_tied, {})
     assert rounds == [3, 3, 3] and {t.group for t in kept} == {0} and len(extra) == 18
 
 
@@ -144,7 +144,7 @@ def test_extend_plays_a_tied_groups_own_task_again_under_its_id(capsys):
 
     first = [traj(0, 1.0, 5), traj(0, 0.0, 5), traj(1, 0.0, 7), traj(1, 0.0, 7), traj(2, 0.0, 9),
              traj(2, 0.0, 9)]
-    kept, extra = train.resample(run, first, play_groups)
+    kept, extra = train.resample(run, first, play_groups, {})
     assert played == [[(7, 1), (7, 1), (9, 2), (9, 2)], [(9, 2), (9, 2)]]
     # group 1 grew to 4 and trains; group 2 stays out
     assert sorted(t.group for t in kept) == [0, 0, 1, 1, 1, 1]

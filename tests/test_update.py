@@ -224,7 +224,7 @@ def test_the_critics_values_sit_where_the_logits_that_sampled_the_token_are():
     model = build_model(vocab_size=50, layers=1, hidden=16, heads=2)
     run = tiny_run(["--algo", "ppo", "--gamma", "1", "--lam", "0"], model,
                    critic=LastTokenCritic())
-    rows = train.layer.Rows(run, [hand_row([3, 5, 7, 9, 11, 13], [0, 0, 1, 1, 0, 1], 1.0, 0)])
+    rows = train.Rows(run, [hand_row([3, 5, 7, 9, 11, 13], [0, 0, 1, 1, 0, 1], 1.0, 0)])
     adv, returns, values = train.advantages(run, rows)
     assert torch.allclose(values, torch.tensor([[0.3, 0.5, 0.7, 0.9, 1.1]]))
     assert torch.allclose(returns, torch.tensor([[0.0, 0.7, 1.1, 0.0, 1.0]]))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import engines
-import hf_engine
+import algos
 from engines import HFEngine, Sample, VLLMEngine, make_engine
 
 VLLM_ENGINE_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -161,7 +161,7 @@ class FakeVLLM:
                         logits = logits / sp.temperature
                         probs = torch.softmax(logits, -1)
                         if sp.top_p < 1:
-                            probs = hf_engine._top_p_filter(probs, sp.top_p)
+                            probs = algos.nucleus(probs, sp.top_p)
                             logits = torch.where(probs > 0, logits,
                                                  torch.tensor(-math.inf, dtype=logits.dtype))
                         tok = int(torch.multinomial(probs.float(), 1, generator=gen))
@@ -371,7 +371,7 @@ def test_vllm_kv_tokens_sizes_the_cpu_kv_cache_in_both_scripts(fake_cpu_vllm, tm
     memory); 0 keeps it."""
     import eval as ev
     import train
-    from models.loading import load_local
+    from tools.loading import load_local
     from trainer import setup as run_setup
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))

@@ -18,7 +18,7 @@ from flask import Flask, jsonify, request
 import eval as ev
 from env_server.agents import WEBARENA_NO_ACTION, parse_action
 from env_client import EnvClient, EnvError, EnvPool, _step_from
-from trainer.tasks import task_splits
+from tasks import task_splits
 from env_server.app import serve_wsgi_in_thread
 
 

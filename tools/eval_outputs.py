@@ -16,7 +16,8 @@ import json
 import os
 
 from env_server.agents import parse_action
-from rollout import Trajectory, outcomes
+from rollout import Trajectory
+from trainer.run import outcomes
 from tools.endpoint import is_endpoint_error
 
 # ---------------------------------------------------------------- a cut evaluation, continued

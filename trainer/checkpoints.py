@@ -18,7 +18,7 @@ import shutil
 
 import torch
 
-from trainer.distributed import barrier, global_rank
+from distributed import barrier, global_rank
 
 
 def save_checkpoint(out: str, model, tokenizer, critic, optims: dict, state: dict) -> None:

@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import field
 
-from tools.install_check import check_install
+from trainer.install_check import check_install
 
 
 def arg(default, help: str, group: str | None = None, **kw):
@@ -430,7 +430,7 @@ def task_lists(url: str, env: str, tasks_file: str | None, list_split: str = "tr
     """env_client.task_splits, or a one-line exit: no server at the address, a bad
     --tasks-file, or (for training) task ids in both the training and the test split."""
     from env_client import EnvError
-    from trainer.tasks import task_splits
+    from tasks import task_splits
 
     try:
         tasks = task_splits(url, env, tasks_file, list_split=list_split)

@@ -1,12 +1,12 @@
-"""The layer a training step walks through, each piece called from train.py at one named
-point: the loop over steps (`Run.steps`: held-out evaluations, checkpoints, the env-error
-rules, signals; `Run.begin`: the progress bar, the first evaluation), the tasks a step plays,
-the engine made ready to sample, the rollout's metrics and log, the update's critical section,
-the metrics line; and the update's machinery: the padded batch and its micro-batches by length
-(`Rows`, rollout.length_buckets), the rows that cannot move the weights (`idle_rows`) and the
-update's statistics (`UpdateStats`). Nothing here changes what a step computes: which
-trajectories are trained on, the advantages, the loss, the learning rate and the weight sync
-are written in train.py.
+"""The layer a training step walks through, each piece called from train.py at one named point:
+the loop over steps (`Run.steps`: held-out evaluations, checkpoints, the env-error rules,
+signals; `Run.begin`: the progress bar, the first evaluation), the tasks a step plays, the
+engine made ready to sample, the rollout's metrics (`outcomes`, also eval.py's) and log
+(`write_log`), the update's critical section, the metrics line; and the update's machinery:
+the padded batch and its micro-batches by length (`Rows`, rollout.length_buckets), the rows
+that cannot move the weights (`idle_rows`) and the update's statistics (`UpdateStats`).
+Nothing here changes what a step computes: which trajectories are trained on, the
+advantages, the loss, the learning rate and the weight sync are written in train.py.
 
 Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop,
 a crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -30,18 +31,18 @@ import torch
 from tqdm import tqdm
 
 import algos
+from distributed import (Precision, all_gather_list, all_max, all_sum, gathered, global_rank,
+                         rank_items, world_size)
 from engines import HFEngine
-from eval import CHANCE_SAMPLES, held_out
-from env_server.agents import has_chance
+from env_server.agents import has_chance, opens_by_guessing
 from env_client import EnvError, EnvPool, Transport
 from models.policy import dtype_name
 from rollout import (ChatFormat, RandomPolicy, RolloutConfig, Trajectory, build_batch,
-                     informative_groups, length_buckets, outcomes, write_log)
+                     informative_groups, is_success, length_buckets)
 from scheduler import horizons
 from trainer.checkpoints import resume_command, save_checkpoint
 from trainer.config import Config
-from trainer.distributed import (Precision, all_gather_list, all_max, all_sum, gathered,
-                                 global_rank, rank_items, world_size)
+from trainer.held_out import CHANCE_SAMPLES, categories_for, held_out
 
 
 # ============================================================ the named points of train.py
@@ -78,6 +79,34 @@ def rollout_metrics(trajs: list[Trajectory], K: int) -> dict:
             "guess_share": o["guess_share"],
             "template_mismatch": sum(t.template == "mismatch" for t in trajs),
             "groups_informative": len(informative_groups(kept)) / max(1, len(groups))}
+
+
+def outcomes(trajs: list[Trajectory]) -> dict:
+    """How episodes ended, counted in this one place (training, eval.py): statuses over all,
+    the rest over those without env errors; turns_per_success None where none succeeded."""
+    kept = [t for t in trajs if t.status != "env_error"]
+    wins = [t.turns for t in kept if is_success(t)]
+    n = max(1, len(kept))
+    return {"episodes": len(kept), "env_errors": len(trajs) - len(kept),
+            "success_rate": len(wins) / n, "reward_mean": sum(t.reward for t in kept) / n,
+            "turns_mean": sum(t.turns for t in kept) / n,
+            "turns_per_success": sum(wins) / len(wins) if wins else None,
+            "guess_share": sum(opens_by_guessing(t.messages) for t in kept) / n,
+            "statuses": {s: sum(t.status == s for t in trajs)
+                         for s in ("done", "max_turns", "context_limit", "env_error")}}
+
+
+def write_log(path: str, step: int, max_turns: int, trajs: list[Trajectory]) -> None:
+    """OUT/rollouts/step_000042.jsonl: a JSON line per trajectory, its fields, `step`,
+    `max_turns` (the format the viewer and sft.py --from-log read)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for t in trajs:
+            d = dataclasses.asdict(t)
+            d.update(step=step, max_turns=max_turns)
+            f.write(json.dumps(d) + "\n")
+    os.replace(tmp, path)
 
 
 @dataclasses.dataclass
@@ -265,22 +294,26 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def evaluate(run: Run, step: int) -> None:
-    """Held-out evaluation (eval.held_out): every rank plays its share of the test tasks;
-    rank 0 writes."""
+    """Held-out evaluation (trainer/held_out.py): every rank plays its share of the test tasks;
+    rank 0 writes. Chance beside it: the random policy's, once a run (it does not learn)."""
     cfg = run.cfg
     if not (cfg.eval_every and run.test_ids):
         return
     rcfg = RolloutConfig.of(cfg, cfg.eval_turns or max(horizons(cfg.schedule)))
     # the same each time
     gen = torch.Generator(run.sample_gen.device).manual_seed(cfg.seed + 12345 + global_rank())
+    played = functools.partial(held_out, url=run.url, env=cfg.env, test_ids=run.test_ids,
+                               rcfg=rcfg, step=step, batch=cfg.eval_batch,
+                               timeout=cfg.env_timeout, agent=cfg.agent)
+    t0 = time.time()
     with generating(run):
-        r = held_out(run.engine, run.fmt, run.url, cfg.env, run.test_ids, rcfg, step, gen,
-                     cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories,
-                     cfg.eval_samples)
-    if run.chance is None and has_chance(cfg.env):  # once a run: it does not learn
-        c = held_out(None, None, run.url, cfg.env, run.test_ids, rcfg, step, None,
-                     cfg.eval_batch, cfg.env_timeout, cfg.agent, run.categories,
-                     max(cfg.eval_samples, CHANCE_SAMPLES), policy=RandomPolicy(cfg.env, cfg.seed))
+        trajs = played(run.engine, run.fmt, generator=gen, samples=cfg.eval_samples)
+    r = eval_result(run, trajs, step, rcfg, cfg.eval_samples, time.time() - t0)
+    if run.chance is None and has_chance(cfg.env):
+        samples = max(cfg.eval_samples, CHANCE_SAMPLES)
+        c = eval_result(run, played(None, None, generator=None, samples=samples,
+                                    policy=RandomPolicy(cfg.env, cfg.seed)), step, rcfg,
+                        samples, 0.0)
         run.chance = {"chance": c["success_rate"], "chance_by_category": c["by_category"],
                       "chance_samples": c["samples"]}
     if run.chance is not None:  # a random policy's on the same tasks and K
@@ -294,6 +327,21 @@ def evaluate(run: Run, step: int) -> None:
         tqdm.write(f"held-out eval after step {step}: success {r['success_rate']:.3f} on "
                    f"{r['tasks']} test tasks x {r['samples']} (K={rcfg.max_turns}, "
                    f"{r['time_s']:.0f}s{beside})")
+
+
+def eval_result(run: Run, trajs: list[Trajectory], step: int, rcfg: RolloutConfig,
+                samples: int, seconds: float) -> dict:
+    """The held-out episodes' `outcomes`, overall and by category, env errors left out and
+    counted: a line of eval.jsonl."""
+    kept, o = [t for t in trajs if t.status != "env_error"], outcomes(trajs)
+    cat = categories_for(run.cfg.env, run.test_ids, run.categories)
+    by_category = {c: outcomes([t for t in kept if cat[t.item_id] == c])["success_rate"]
+                   for c in sorted({cat[t.item_id] for t in kept})}
+    reported = ("episodes", "env_errors", "success_rate", "reward_mean", "turns_mean",
+                "guess_share")
+    return {"step": step, "max_turns": rcfg.max_turns, "tasks": len({t.item_id for t in kept}),
+            "samples": samples, **{k: o[k] for k in reported}, "by_category": by_category,
+            "time_s": seconds}
 
 
 def snapshot(run: Run) -> dict:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import algos
+from distributed import (Precision, barrier, broadcast_value, global_rank, init_distributed,
+                         world_size)
 from engines import HFEngine, make_engine, resolve_engine, sampling_device
 from env_client import EnvError, EnvPool
 from models.builtin import resolve
@@ -32,16 +34,14 @@ from models.names import chat_format
 from models.policy import (Critic, dtype_name, load_model, load_tokenizer, pad_id, prepare,
                            resolve_dtype)
 from scheduler import make_schedule, stage_steps
+from tasks import spread
 from trainer.checkpoints import (FolderInUse, find_checkpoint, hold_folder, load_checkpoint,
                                  previous_minutes, read_log,
                                  resume_command, truncate_logs)
 from trainer.cli import cpu_threads, serving_env, task_lists
 from trainer.config import Config, check_context
-from trainer.distributed import (Precision, barrier, broadcast_value, global_rank,
-                                 init_distributed, world_size)
 from trainer.report import make_reporter
 from trainer.run import Interrupts, Run, optimizer_steps, save
-from trainer.tasks import spread
 
 
 @contextlib.contextmanager
@@ -373,7 +373,7 @@ def finish(run: Run, seconds: float) -> dict:
 def update_run(cfg, model, optims: dict, dtype: torch.dtype = torch.float32, **fields):
     """What train.advantages and train.update read of a run (trainer/run.py's `Run`), for
     calling them on a model directly (the tests, bench/replay_step.py,
-    bench/rollout_overhead.py): the model computing in `dtype` (trainer.distributed.Precision)
+    bench/rollout_overhead.py): the model computing in `dtype` (distributed.Precision)
     on the CPU; `fields` (ref, critic, pad, compute_dtype, ...) add to these or replace
     them."""
     return SimpleNamespace(**{

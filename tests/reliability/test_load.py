@@ -25,7 +25,7 @@ from conftest import raw
 
 from bench.soak import Tally, play, spread
 from env_client import EnvError, EnvPool
-from trainer.tasks import task_splits
+from tasks import task_splits
 from env_server.app import ServerProcess
 
 INSTANCES = 256

@@ -241,14 +241,18 @@ def _step_from(raw) -> Step:
     values = {k: _number(raw, k) for k in ("score", "reward") if k in raw}  # both checked
     if not values or not {"done", "terminated", "truncated"} & raw.keys():
         raise EnvError("protocol", f"step answer without a reward or done: {str(raw)[:200]}")
-    if "done" in raw:
-        done = _flag(raw, "done")
-        value = values.get("score", values.get("reward", 0.0))
-    else:  # WebArena: terminated/truncated; its reward counts once terminated, as upstream
-        terminated, truncated = _flag(raw, "terminated"), _flag(raw, "truncated")
-        done = terminated or truncated
-        value = values.get("reward", 0.0) if terminated else 0.0
+    if "done" not in raw:
+        return _webarena_step(raw, values)
+    done, value = _flag(raw, "done"), values.get("score", values.get("reward", 0.0))
     return Step(_text(raw["observation"]), value, done, raw)
+
+
+def _webarena_step(raw: dict, values: dict) -> Step:
+    """WebArena's answer: terminated or truncated; its reward counts once terminated, as
+    upstream."""
+    terminated, truncated = _flag(raw, "terminated"), _flag(raw, "truncated")
+    value = values.get("reward", 0.0) if terminated else 0.0
+    return Step(_text(raw["observation"]), value, terminated or truncated, raw)
 
 
 def _obs_from(raw) -> str:

@@ -289,14 +289,14 @@ def gigpo_advantages(scores, group_ids, loss_mask, turn_ids, state_keys: list[li
         A_(b,t)   = A^E_b + w * A^S_(b, k(t))   on sampled token t of turn k(t), else 0,
     w = step_adv_weight, r_(b,j) row b's turn j's reward (departure 9; turn_rewards None: the
     outcome on the last turn). No repeated state, or w = 0: GRPO. scores, group_ids (B,);
-    loss_mask, turn_ids (B, T) (each sampled token's turn, else -1: rollout.build_batch,
+    loss_mask, turn_ids (B, T) (each sampled token's turn, else -1: distributed.build_batch,
     shifted as the mask); state_keys[b][k], turn_rewards[b][k] per turn k of row b -> (B, T)
     float32. episode_stat="step": A^E's mean_g, std_g over turns, not rows (departure 10)."""
     s = _finite(scores)  # first, as every estimator: a NaN score is the error to report
     assert episode_stat in ("trajectory", "step"), (
         f"episode_stat {episode_stat!r}: trajectory|step")
     if turn_ids is None or state_keys is None:
-        raise ValueError("gigpo needs turn_ids (rollout.build_batch) and state_keys "
+        raise ValueError("gigpo needs turn_ids (distributed.build_batch) and state_keys "
                          "(rollout.turn_state_keys) in AdvantageInputs")
     m, tid = torch.as_tensor(loss_mask) > 0, torch.as_tensor(turn_ids).long()
     if tid.shape != m.shape or bool(((tid >= 0) != m).any()):

@@ -1,7 +1,10 @@
-"""torchrun plumbing for train.py: the process group, small collectives, which rows each rank
-plays, and `Precision`, FSDP's mixed precision on one process (bf16 compute, fp32 masters).
+"""How the update's rows are distributed: over passes (`build_batch`: the rows as padded
+tensors; `Rows`: in micro-batches of similar length, `length_buckets`, less the rows that cannot
+move the weights, `idle_rows`) and over torchrun's processes (the process group, small
+collectives, which rows each rank plays, `Precision`: FSDP's mixed precision on one process, bf16
+compute and fp32 masters). None of it changes what a step computes (tests/test_plain_layers.py).
 
-With one process every helper is a no-op (world size 1): train.py reads the same either way.
+With one process every collective is a no-op (world size 1): train.py reads the same either way.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import algos
+from rollout import Trajectory
 
 
 # ---------------------------------------------------------------- distributed (torchrun)
@@ -187,3 +191,116 @@ class Precision:
     def sync(self) -> None:
         for m, c in self._pairs:
             c.copy_(m)
+
+
+# ---------------------------------------------------------------- the rows over passes
+def build_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) tensors of the rows (env errors left out by the caller): input_ids,
+    attention_mask, position_ids, loss_mask, old_logprobs (the sampler's log-prob of token t
+    given tokens < t, where loss_mask is 1), turn_ids (each sampled token's turn, from 0;
+    else -1); and (B,) rewards (outcomes) and group_ids."""
+    T = max(len(t.token_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    lps = torch.zeros((B, T), dtype=torch.float32)
+    for b, t in enumerate(trajs):
+        n = len(t.token_ids)
+        ids[b, :n] = torch.tensor(t.token_ids)
+        attn[b, :n] = 1
+        mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        lps[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    pos = torch.arange(T).expand(B, T).clone()
+    sampled = mask > 0
+    starts = sampled.clone()  # a turn is one run of sampled ids: number the runs' first ids
+    starts[:, 1:] &= ~sampled[:, :-1]
+    turn_ids = torch.where(sampled, starts.long().cumsum(dim=1) - 1, -1)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    groups = torch.tensor([t.group for t in trajs], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": mask,
+            "old_logprobs": lps, "turn_ids": turn_ids,
+            "rewards": rewards, "group_ids": groups}
+
+
+def length_buckets(lengths: list[int], max_tokens: int,
+                   overhead_tokens: int | None = None) -> list[list[int]]:
+    """Split row indices into micro-batches of similar length, each with rows x longest <=
+    max_tokens (a row longer than that gets its own batch), minimising padded tokens plus
+    `overhead_tokens` per micro-batch (a forward pass has a fixed cost; default
+    max_tokens / 16). Rows sorted by length make each batch a contiguous run, so a short
+    dynamic programme finds the best cut points."""
+    overhead = max_tokens // 16 if overhead_tokens is None else overhead_tokens
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    L = [lengths[i] for i in order]
+    n = len(L)
+    prefix = [0]
+    for x in L:
+        prefix.append(prefix[-1] + x)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of batching the j longest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # batch = sorted rows i..j-1; its longest is L[i]
+            if L[i] * (j - i) > max_tokens and j - i > 1:
+                break
+            cost = best[i] + L[i] * (j - i) - (prefix[j] - prefix[i]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+# off: idle rows are forwarded too, to the same update (tests/test_plain_layers.py)
+SKIP_IDLE = True
+
+
+class Rows:
+    """A step's trajectories as a padded batch on the device (torchrun: plus a blank row at
+    index B), in micro-batches of similar length, <= --micro-batch-tokens each or one row."""
+
+    def __init__(self, run, trajs: list[Trajectory]):
+        self.B, self.max_tokens = len(trajs), run.cfg.micro_batch_tokens
+        blank = ([Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])]
+                 if world_size() > 1 else [])
+        self.trajs = list(trajs) + blank  # the rows, in order
+        batch = build_batch(self.trajs, run.pad)
+        self.batch = {k: v.to(run.device) for k, v in batch.items()}
+        self.lengths = self.batch["attention_mask"].sum(-1).tolist()
+
+    def micro_batches(self, rows: list[int], skip=frozenset()) -> list[list[int]]:
+        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in
+        length buckets, then blank passes up to the busiest rank's count."""
+        rows = [i for i in rows if i not in skip] if SKIP_IDLE else list(rows)
+        buckets = [[rows[j] for j in b]
+                   for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
+        return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
+
+    def cut(self, idx: list[int]) -> tuple[dict, torch.Tensor]:
+        """Rows `idx` cut to the longest, t tokens (no column of padding only): algos.INPUTS
+        (b, t) and the loss mask (b, t-1), shifted as the log-probs (token j+1's at j)."""
+        t = max(self.lengths[i] for i in idx)
+        inputs = {k: self.batch[k][idx, :t] for k in algos.INPUTS}
+        return inputs, self.batch["loss_mask"][idx, 1:t]
+
+    def passes(self, fn, skip=frozenset()) -> torch.Tensor:
+        """fn(rows, mask) -> (b, t-1) on micro-batches `cut` but `skip`, no grad: all rows."""
+        out = torch.zeros_like(self.batch["loss_mask"][:, 1:])
+        with torch.no_grad():
+            for idx in self.micro_batches(list(range(self.B)), skip):
+                rows, mask = self.cut(idx)
+                out[idx, :mask.shape[1]] = fn(rows, mask)
+        return out
+
+
+def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
+    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO, a group
+    whose outcomes tie) and the loss has no KL, entropy or value term. Never forwarded, they
+    still count in the loss denominators: the update equals one computing them (grad 0)."""
+    cfg = run.cfg
+    if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
+        return set()
+    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass, not one per row
+    return {i for i, x in enumerate(signal) if x == 0}

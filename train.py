@@ -6,12 +6,12 @@
     torchrun --nproc-per-node 8 train.py --env textcraft --model Qwen/Qwen2.5-7B-Instruct
 
 A step, in `main`'s order: the horizon K; the rollout (rollout.py); which trajectories are
-trained on; the learning rate; the advantages (algos.py); the update by the clipped loss (the
-ratio's denominator is chosen in `update`); the --max-update-kl guard; the new weights to the
-sampler; a line of metrics. Layers (trainer/, models/) change speed, robustness and logging,
-never what is computed. `run` (trainer/run.py's Run) holds what setup made: cfg, engine, fmt
-(chat template), pool (env instances), schedule, model (fp32 master weights), prec.model (the
-one that computes: model or its bf16 copy), ref, critic, optims.
+trained on; the learning rate; the advantages (algos.py); the update by the clipped loss (its
+ratio's denominator chosen in `update`); the --max-update-kl guard; the new weights to the
+sampler; a line of metrics. The boundaries (engine, env pool, distributed.py, trainer/run.py)
+change speed, robustness and logs, never what is computed (tests/test_plain_layers.py). `run`
+(trainer/run.py's Run) holds what setup made: cfg, engine, fmt, pool, schedule, model (fp32
+master weights), prec.model (what computes: model or its bf16 copy), ref, critic, optims.
 """
 
 import os
@@ -23,13 +23,14 @@ import torch
 from tqdm import tqdm
 
 import algos  # the formulas: advantages, losses, the trainer's log-probs (token_logprobs)
-from distributed import all_gather_list, all_max, all_sum, global_whiten, world_size  # torchrun's
+from distributed import (Rows, all_gather_list, all_max, all_sum, global_whiten, idle_rows,
+                         world_size)  # the update's rows over passes and torchrun's processes
 from rollout import (EnginePolicy, RolloutConfig, Trajectory, informative_groups, rollout,
                      turn_state_keys)
 from trainer import config  # the flags, their checks and the real-model settings
 from trainer import setup  # a run set up (models, engine, env, --resume) and ended
 from trainer.run import generating, log_rollout, rollout_metrics  # the loop's engine and logs
-from trainer.run import Rows, UpdateStats, idle_rows  # the update's batching and statistics
+from trainer.run import UpdateStats  # the update's statistics
 
 
 # ================================================================ the loop

@@ -51,7 +51,8 @@ from models.builtin import resolve  # noqa: E402
 from distributed import Precision  # noqa: E402
 from models.policy import (load_model, load_tokenizer, pad_id,  # noqa: E402
                            token_logprobs)
-from rollout import ChatFormat, build_batch, informative_groups  # noqa: E402
+from distributed import build_batch  # noqa: E402
+from rollout import ChatFormat, informative_groups  # noqa: E402
 from recipes.sft import load_log  # noqa: E402
 
 

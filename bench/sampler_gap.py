@@ -30,7 +30,7 @@ from distributed import Precision  # noqa: E402
 from models.policy import (load_model, load_tokenizer,  # noqa: E402
                            pad_id, resolve_dtype, token_logprobs)
 from recipes.sft import load_log  # noqa: E402
-from rollout import build_batch, length_buckets  # noqa: E402
+from distributed import build_batch, length_buckets  # noqa: E402
 from trainer.cli import cpu_threads  # noqa: E402
 
 

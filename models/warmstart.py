@@ -39,12 +39,12 @@ import torch
 from tqdm import tqdm
 
 from algos import INPUTS
-from distributed import Precision
+from distributed import Precision, build_batch, length_buckets
 from env_server.agents import GUESS_THOUGHT, STALL_THOUGHT, opens_by_guessing, react_reply
 from env_client import Step
 from models.policy import load_model, load_tokenizer, pad_id, token_logprobs
-from rollout import (ChatFormat, RandomPolicy, Reply, RolloutConfig, Trajectory, build_batch,
-                     is_success, length_buckets, rollout)
+from rollout import (ChatFormat, RandomPolicy, Reply, RolloutConfig, Trajectory, is_success,
+                     rollout)
 from tasks import spread
 
 

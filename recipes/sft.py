@@ -54,8 +54,9 @@ from env_server.process import serving
 from models.names import chat_format
 from models.policy import load_model, load_tokenizer, pad_id, resolve_dtype, token_logprobs
 from trainer.report import REPORTERS, make_reporter
-from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, build_batch, is_success,
-                     length_buckets, play_in_chunks, rollout)
+from distributed import build_batch, length_buckets
+from rollout import (ChatFormat, EnginePolicy, RolloutConfig, Trajectory, is_success,
+                     play_in_chunks, rollout)
 from models.warmstart import expert_trajectories, micro_rows, sft
 
 

@@ -14,7 +14,8 @@ import algos
 import train
 from env_client import Step
 from env_server.agents import REFLECT_ASK, RESTART
-from rollout import Reply, RolloutConfig, Trajectory, build_batch, rollout, turn_state_keys
+from distributed import build_batch
+from rollout import Reply, RolloutConfig, Trajectory, rollout, turn_state_keys
 
 EPS = 1e-6  # GRPO's eps, which GiGPO's two levels share
 

@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import distributed
 import train
 import trainer.run
 from models.tiny import build_model
@@ -54,8 +55,8 @@ def test_plain_layers_give_the_same_update(monkeypatch):
     fast_model, plain_model = copy.deepcopy(start), copy.deepcopy(start)
     fast = one_update(fast_model)
     assert fast["idle_rows"] == 8 and fast["padding_share"] > 0  # both layers acted
-    monkeypatch.setattr(trainer.run, "SKIP_IDLE", False)  # every row forwarded
-    monkeypatch.setattr(trainer.run, "length_buckets",  # one row per pass, no padding
+    monkeypatch.setattr(distributed, "SKIP_IDLE", False)  # every row forwarded
+    monkeypatch.setattr(distributed, "length_buckets",  # one row per pass, no padding
                         lambda lengths, max_tokens: [[i] for i in range(len(lengths))])
     plain = one_update(plain_model)
     assert plain["padding_share"] == 0
@@ -75,7 +76,7 @@ def test_the_update_statistics_do_not_depend_on_the_passes(monkeypatch):
     torch.manual_seed(0)
     start = build_model(vocab_size=50, layers=2, hidden=32, heads=2)
     bucketed = one_update(copy.deepcopy(start))
-    monkeypatch.setattr(trainer.run, "length_buckets",
+    monkeypatch.setattr(distributed, "length_buckets",
                         lambda lengths, max_tokens: [[i] for i in range(len(lengths))])
     alone = one_update(copy.deepcopy(start))
     assert bucketed["clip_frac"] > 0
@@ -124,8 +125,8 @@ def test_a_corridor_step_with_every_plain_boundary_trains_the_same(tmp_path, mon
         model, pad, static_cache=False, compact=False))
     monkeypatch.setattr(trainer.setup, "env_pool", lambda url, size, timeout: EnvPool(
         url, size, timeout=timeout, use_batch=False))
-    monkeypatch.setattr(trainer.run, "SKIP_IDLE", False)
-    monkeypatch.setattr(trainer.run, "length_buckets",
+    monkeypatch.setattr(distributed, "SKIP_IDLE", False)
+    monkeypatch.setattr(distributed, "length_buckets",
                         lambda lengths, max_tokens: [[i] for i in range(len(lengths))])
     plain = run("plain")
     assert all(m["groups_informative"] > 0 and not m["skipped_update"] for m in fast[0])

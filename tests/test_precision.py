@@ -28,7 +28,7 @@ def tiny(seed: int = 0):
 
 def run_of(flags, model, optim="adamw", lr=1e-2, dtype=torch.float32, compute_dtype=None):
     """A run for train.update; `compute_dtype` other than `dtype`: FSDP's mixed precision, which
-    computes in bf16 while prec stays fp32 (trainer/run.py)."""
+    computes in bf16 while prec stays fp32 (distributed.py)."""
     cfg = train.parse_args(["--env", "corridor", *flags])
     opt = (torch.optim.AdamW if optim == "adamw" else torch.optim.SGD)(model.parameters(), lr=lr)
     return update_run(cfg, model, {"policy": opt}, dtype, compute_dtype=compute_dtype or dtype)

@@ -15,9 +15,8 @@ from env_client import EnvPool, Step
 from env_server.app import serve_in_thread
 from env_server.textcraft import TextCraftEnv
 from engines import HFEngine, Sample
-from rollout import length_buckets
-from rollout import (ChatFormat, EnginePolicy, Reply, RolloutConfig, build_batch, is_success,
-                     rollout)
+from distributed import build_batch, length_buckets
+from rollout import ChatFormat, EnginePolicy, Reply, RolloutConfig, is_success, rollout
 import train
 from trainer.run import write_log
 

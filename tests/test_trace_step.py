@@ -15,11 +15,11 @@ import trace_step  # noqa: E402
 # What step 2 of the README's Corridor command walks today: project lines of the functions that
 # run, files, and the deepest chain of project functions. The aim: 1,000 lines in 9 files, 6 deep
 # (the files and the depth met). A change may lower these, never raise them.
-MAX_LINES, MAX_FILES, MAX_DEPTH = 1241, 9, 6
+MAX_LINES, MAX_FILES, MAX_DEPTH = 1237, 9, 6
 # The reading files' part (trace_step.READING: train.py, rollout.py, algos.py, scheduler.py,
 # env_server/agents.py), its chain counting their functions alone. The aim: 500 lines, 5 deep
 # (the depth met).
-MAX_READING_LINES, MAX_READING_DEPTH = 639, 5
+MAX_READING_LINES, MAX_READING_DEPTH = 584, 5
 
 
 def test_one_steps_path_stays_within_its_budget():

@@ -65,7 +65,7 @@ def tiny_run(flags, model, ref=None, critic=None, lr=0.5):
 
 def logits_on_sampled(model, trajs) -> torch.Tensor:
     """The model's logits at the positions that predict the rows' sampled tokens: (n, V)."""
-    from rollout import build_batch
+    from distributed import build_batch
     batch = build_batch(trajs, 0)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"],

@@ -2,11 +2,10 @@
 the loop over steps (`Run.steps`: held-out evaluations, checkpoints, the env-error rules,
 signals; `Run.begin`: the progress bar, the first evaluation), the tasks a step plays, the
 engine made ready to sample, the rollout's metrics (`outcomes`, also eval.py's) and log
-(`write_log`), the update's critical section, the metrics line; and the update's machinery:
-the padded batch and its micro-batches by length (`Rows`, rollout.length_buckets), the rows
-that cannot move the weights (`idle_rows`) and the update's statistics (`UpdateStats`).
-Nothing here changes what a step computes: which trajectories are trained on, the
-advantages, the loss, the learning rate and the weight sync are written in train.py.
+(`write_log`), the update's critical section and statistics (`UpdateStats`), the metrics
+line. Nothing here changes what a step computes: which trajectories are trained on, the
+advantages, the loss, the learning rate and the weight sync are written in train.py; the
+update's rows in passes are distributed.py's.
 
 Setting the run up (models, engine, env server, --resume) and ending it (the summary, a stop,
 a crash) is trainer/setup.py. Under torchrun every rank brings its own whole groups; FSDP's
@@ -37,8 +36,8 @@ from engines import HFEngine
 from env_server.agents import has_chance, opens_by_guessing
 from env_client import EnvError, EnvPool, Transport
 from models.policy import dtype_name
-from rollout import (ChatFormat, RandomPolicy, RolloutConfig, Trajectory, build_batch,
-                     informative_groups, is_success, length_buckets)
+from rollout import (ChatFormat, RandomPolicy, RolloutConfig, Trajectory, informative_groups,
+                     is_success)
 from scheduler import horizons
 from trainer.checkpoints import resume_command, save_checkpoint
 from trainer.config import Config
@@ -440,60 +439,7 @@ class Interrupts:
             raise KeyboardInterrupt
 
 
-# ================================================================ the update's machinery
-# off: idle rows are forwarded too, to the same update (tests/test_plain_layers.py)
-SKIP_IDLE = True
-
-
-class Rows:
-    """A step's trajectories as a padded batch on the device (torchrun: plus a blank row at
-    index B), in micro-batches of similar length, <= --micro-batch-tokens each or one row."""
-
-    def __init__(self, run, trajs: list[Trajectory]):
-        self.B, self.max_tokens = len(trajs), run.cfg.micro_batch_tokens
-        blank = ([Trajectory("", -1, -1, [], [run.pad, run.pad], [0, 0], [0.0, 0.0])]
-                 if world_size() > 1 else [])
-        self.trajs = list(trajs) + blank  # the rows, in order
-        batch = build_batch(self.trajs, run.pad)
-        self.batch = {k: v.to(run.device) for k, v in batch.items()}
-        self.lengths = self.batch["attention_mask"].sum(-1).tolist()
-
-    def micro_batches(self, rows: list[int], skip=frozenset()) -> list[list[int]]:
-        """`rows` but `skip` (idle rows: nothing to compute, unless SKIP_IDLE is off) in
-        length buckets, then blank passes up to the busiest rank's count."""
-        rows = [i for i in rows if i not in skip] if SKIP_IDLE else list(rows)
-        buckets = [[rows[j] for j in b]
-                   for b in length_buckets([self.lengths[i] for i in rows], self.max_tokens)]
-        return buckets + [[self.B]] * (all_max(len(buckets)) - len(buckets))
-
-    def cut(self, idx: list[int]) -> tuple[dict, torch.Tensor]:
-        """Rows `idx` cut to the longest, t tokens (no column of padding only): algos.INPUTS
-        (b, t) and the loss mask (b, t-1), shifted as the log-probs (token j+1's at j)."""
-        t = max(self.lengths[i] for i in idx)
-        inputs = {k: self.batch[k][idx, :t] for k in algos.INPUTS}
-        return inputs, self.batch["loss_mask"][idx, 1:t]
-
-    def passes(self, fn, skip=frozenset()) -> torch.Tensor:
-        """fn(rows, mask) -> (b, t-1) on micro-batches `cut` but `skip`, no grad: all rows."""
-        out = torch.zeros_like(self.batch["loss_mask"][:, 1:])
-        with torch.no_grad():
-            for idx in self.micro_batches(list(range(self.B)), skip):
-                rows, mask = self.cut(idx)
-                out[idx, :mask.shape[1]] = fn(rows, mask)
-        return out
-
-
-def idle_rows(run, adv: torch.Tensor, mask: torch.Tensor, B: int) -> set[int]:
-    """Rows that cannot move the weights: every sampled token's advantage is 0 (GRPO, a group
-    whose outcomes tie) and the loss has no KL, entropy or value term. Never forwarded, they
-    still count in the loss denominators: the update equals one computing them (grad 0)."""
-    cfg = run.cfg
-    if cfg.kl_coef or cfg.entropy_coef or run.critic is not None:
-        return set()
-    signal = (adv[:B] * mask[:B]).abs().sum(-1).tolist()  # one pass, not one per row
-    return {i for i, x in enumerate(signal) if x == 0}
-
-
+# ================================================================ the update's statistics
 class UpdateStats:
     """Sums over this rank, added over ranks at the end: losses weighted by their share of the
     global loss (so their total is that loss), clip statistics and sampler/trainer mismatch
@@ -506,7 +452,7 @@ class UpdateStats:
         self.acc = dict.fromkeys(self.KEYS, 0.0)
         self.grad_norms, self.before, self.first = [], [], False
 
-    def add(self, rows: Rows, idx, share, terms: dict, clip: dict, lp, mask, sampler_lp):
+    def add(self, rows, idx, share, terms: dict, clip: dict, lp, mask, sampler_lp):
         """A micro-batch (rows `idx`): its loss `terms` (None: not in the loss) by its `share`
         of the global loss, the clip statistics, its log-probs `lp` against the sampler's."""
         acc = self.acc
